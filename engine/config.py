@@ -1,0 +1,62 @@
+"""Frozen engine configuration, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape of the paged KV cache.
+
+    `num_blocks=None` sizes the pool from `kv_cache_memory_bytes` once the model is known.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 (or None to size from memory), got {self.num_blocks}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits: tokens in one forward pass and sequences in the running batch."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs: which model, where it runs, and the cache and scheduler shapes.
+
+    `model` is an alias (e.g. `smollm2-135m`), a Hugging Face folder or a `.gguf` file.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not self.model:
+            raise ValueError("model must name an alias, a Hugging Face folder or a .gguf file")

@@ -1,0 +1,149 @@
+"""The engine loop: add requests, step, read outputs.
+
+Lifecycle of a step:
+  1. the scheduler picks running decodes, then prefill chunks, within the token budget
+     (preempting the newest request if KV blocks run out);
+  2. the model runner does one forward pass over the flat batch and samples;
+  3. each completed sequence gets its token; finished requests free their blocks at once.
+The services drive `add_request` / `step` / `abort` from their own threads; `generate` runs
+the loop offline until every request is done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from transformers import AutoConfig, AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_loader import resolve_model
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestOutput, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Owns the model runner, KV cache manager and scheduler; mutates requests as they run."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        resolved = resolve_model(config.model)
+        self.model_path = resolved.path
+        self.served_model_name = resolved.served_name
+        self.tokenizer = _load_tokenizer(self.model_path)
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.max_model_len = hf_config.max_position_embeddings
+        self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
+        self.model_runner = ModelRunner(config, self.model_path, hf_config)
+        self.kv_cache_manager = KVCacheManager(
+            self.model_runner.num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            extra_key=self.served_model_name,
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self._request_counter = itertools.count()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> Request:
+        """Queues a request; raises ValueError for a prompt the model or the cache cannot hold."""
+        if len(prompt_token_ids) + sampling_params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling_params.max_tokens}) "
+                f"exceeds the model's context length {self.max_model_len}"
+            )
+        vocab_size = self.model_runner.model.config.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
+        request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_ids)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self.model_runner.release(request_id)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling decision and one forward pass; outputs for requests that got a token."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        samples = self.model_runner.execute(scheduler_output.scheduled)
+        outputs = []
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            request.num_computed_tokens += scheduled.num_new_tokens
+            if request.request_id not in samples:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            token_id, logprob = samples[request.request_id]
+            request.append_token(token_id, logprob)
+            if request.check_stop():
+                self.scheduler.finish(request, request.status)
+                self.model_runner.release(request.request_id)
+            outputs.append(_step_output(request, token_id, logprob))
+        return outputs
+
+    def generate(
+        self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion (batched); results in input order."""
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        ids = [f"generate-{next(self._request_counter)}" for _ in prompts]
+        requests = [self.add_request(i, p, sp) for i, p, sp in zip(ids, prompts, sampling_params)]
+        while self.has_unfinished_requests:
+            self.step()
+        return [_final_output(r) for r in requests]
+
+
+def _load_tokenizer(folder):
+    """The folder's tokenizer, or None for a weights-only folder (token ids in, token ids out)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any((folder / name).exists() for name in names):
+        return None
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
+def _step_output(request: Request, token_id: int, logprob) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=[token_id],
+        new_logprobs=[logprob] if logprob is not None else [],
+        finished=request.is_finished,
+        finish_reason=request.finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+    )
+
+
+def _final_output(request: Request) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=[],
+        new_logprobs=[],
+        finished=request.is_finished,
+        finish_reason=request.finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        token_ids=request.output_token_ids,
+        logprobs=request.output_logprobs,
+    )

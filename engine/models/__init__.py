@@ -1,0 +1,1 @@
+"""Model definitions that run over flat batches and the paged KV cache."""

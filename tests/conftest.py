@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.factories import build_tiny_model, load_reference
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_model(request, tiny_llama_path, tiny_qwen2_path):
+    """(folder, transformers reference model) for each tiny architecture."""
+    path = tiny_llama_path if request.param == "llama" else tiny_qwen2_path
+    return path, load_reference(path)

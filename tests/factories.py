@@ -1,0 +1,77 @@
+"""Builders shared by the tests: tiny random-weight models and the greedy reference check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+TINY_VOCAB = 512
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        return LlamaConfig(**common, architectures=["LlamaForCausalLM"])
+    if arch == "qwen2":
+        return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
+    raise ValueError(arch)
+
+
+def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Saves a random-weight model (float32, safetensors) to `folder` and returns it."""
+    torch.manual_seed(seed)
+    config = tiny_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init gives near-uniform logits; widen them so greedy choices are not near-ties.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(4.0 if param.dim() > 1 else 1.0)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(folder)
+    return folder
+
+
+def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy generate(): the tokens and the raw logits of each step."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, [step[0] for step in out.logits]
+
+
+def assert_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], max_margin: float = 1e-3):
+    """Token for token, or a difference only where the reference's top-2 logit margin is tiny."""
+    for step, (a, b) in enumerate(zip(ours, ref_tokens)):
+        if a != b:
+            top2 = ref_logits[step].float().topk(2).values
+            margin = float(top2[0] - top2[1])
+            assert margin < max_margin, f"step {step}: ours {a} vs transformers {b}, margin {margin:.3g} is no near-tie"
+            return
+    assert len(ours) == len(ref_tokens), f"lengths differ: ours {len(ours)}, transformers {len(ref_tokens)}"
+
+
+def load_reference(folder: Path):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
