@@ -1,0 +1,1 @@
+"""Cluster-level pieces: the `pdserve` command line and shared process set-up."""
