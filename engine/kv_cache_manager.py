@@ -57,10 +57,7 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_tokens = len(blocks) * self.block_size
-        self.num_prefix_queries += request.num_tokens
-        self.num_prefix_hits += num_tokens
-        return blocks, num_tokens
+        return blocks, len(blocks) * self.block_size
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
@@ -69,7 +66,7 @@ class KVCacheManager:
         (and after `new_computed_blocks`, a prefix-cache hit being adopted). None if the pool
         cannot serve it; nothing changes then."""
         new_computed_blocks = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
@@ -78,12 +75,18 @@ class KVCacheManager:
         if num_new_blocks + num_evictable_hits > self.num_free_blocks:
             return None
         self.block_pool.touch(new_computed_blocks)
+        self.req_to_blocks[request.request_id] = req_blocks
         req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         assert new_blocks is not None
         req_blocks.extend(new_blocks)
         self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
         return new_blocks
+
+    def record_prefix_query(self, num_tokens: int, num_cached_tokens: int) -> None:
+        """Counts one admitted request's prompt for the prefix-cache hit rate."""
+        self.num_prefix_queries += num_tokens
+        self.num_prefix_hits += num_cached_tokens
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks; tail blocks first so they are evicted first."""

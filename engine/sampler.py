@@ -73,7 +73,7 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     probs = sorted_logits.softmax(dim=-1)
     # Remove a token when the tokens ranked above it already reach top_p.
     mass_before = probs.cumsum(dim=-1) - probs
-    remove = mass_before >= top_p[:, None]
+    remove = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # top_p 1.0 keeps the float32 tail
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, sorted_ids, sorted_logits)

@@ -124,6 +124,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
+                self.kv_cache_manager.record_prefix_query(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -1,4 +1,4 @@
-"""Builders shared by the tests: tiny random-weight models and the greedy reference check."""
+"""Builders shared by the tests: engine requests, tiny random-weight models and the greedy reference check."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
 TINY_VOCAB = 512
+
+
+def make_request(request_id: str, prompt_token_ids: list[int], max_tokens: int = 16, **sampling) -> Request:
+    """An engine Request with its own SamplingParams (the scheduler and KV cache tests build these)."""
+    return Request(request_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens, **sampling))
 
 
 def tiny_config(arch: str = "llama", **overrides):
