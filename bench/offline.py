@@ -32,7 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation import ContinuousBatchingConfig
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -73,9 +74,6 @@ class Measurement:
         return self.num_output_tokens / self.seconds
 
 
-# ---------------------------------------------------------------------------------------- prompts
-
-
 def synthetic_prompts(tokenizer, num_prompts: int, input_len: int, tag: str) -> list[list[int]]:
     """`num_prompts` distinct prompts of exactly `input_len` token ids, fixed by (`tag`, index)."""
     return [_synthetic_prompt(tokenizer, input_len, random.Random(f"{tag}/{i}")) for i in range(num_prompts)]
@@ -87,9 +85,6 @@ def _synthetic_prompt(tokenizer, input_len: int, rng: random.Random) -> list[int
         sentence = " ".join(rng.choice(words) for words in (_SUBJECTS, _VERBS, _OBJECTS, _TAILS))
         token_ids += tokenizer.encode(" " + sentence.capitalize(), add_special_tokens=False)
     return token_ids[:input_len]
-
-
-# ---------------------------------------------------------------------------------------- systems
 
 
 def load_peer_model(model_path: str | Path) -> PreTrainedModel:
@@ -126,7 +121,7 @@ def _generate_one(model: PreTrainedModel, prompt: list[int], output_len: int) ->
 
 
 def run_generate_batch(model: PreTrainedModel, prompts: list[list[int]], output_len: int) -> list[list[int]]:
-    # eos_token_id=-1 disables EOS in continuous batching (the model's own EOS would otherwise apply).
+    # eos_token_id=-1 is continuous batching's "no EOS": every request runs to max_new_tokens.
     generation_config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1)
     max_seq_len = max(map(len, prompts)) + output_len
     outputs = model.generate_batch(
@@ -146,15 +141,9 @@ def generate_batch_config(num_requests: int, max_seq_len: int, page_size: int = 
     """
     num_blocks = num_requests * math.ceil(max_seq_len / page_size) + 1
     return ContinuousBatchingConfig(
-        page_size=page_size,
-        num_blocks=num_blocks,
-        max_batch_tokens=2048,
-        auto_switch_to_flash=False,
-        use_cuda_graph=False,
+        page_size=page_size, num_blocks=num_blocks, max_batch_tokens=2048,
+        auto_switch_to_flash=False, use_cuda_graph=False,
     )
-
-
-# ------------------------------------------------------------------------------------ measurement
 
 
 def time_system(
@@ -196,9 +185,6 @@ def measure(
             logger.info("%s at %d: %.1f tok/s", system, concurrency, measurement.tokens_per_s)
             measurements.append(measurement)
     return measurements
-
-
-# ---------------------------------------------------------------------------------------- results
 
 
 def ratio(measurements: Sequence[Measurement], system: str, peer: str, concurrency: int) -> float | None:
@@ -252,7 +238,7 @@ def to_json(measurements: Sequence[Measurement], args: argparse.Namespace) -> di
     return {
         "args": {k: v for k, v in vars(args).items() if k != "json"},
         "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "processor": platform.processor(), "torch": torch.__version__},
+                    "platform": platform.platform(), "torch": torch.__version__},
         "measurements": [asdict(m) | {"tokens_per_s": m.tokens_per_s} for m in measurements],
         "ratios": {
             f"pdserve/{peer}": {str(c): ratio(measurements, "pdserve", peer, c) for c in concurrencies}
@@ -261,10 +247,7 @@ def to_json(measurements: Sequence[Measurement], args: argparse.Namespace) -> di
     }
 
 
-# -------------------------------------------------------------------------------------------- CLI
-
-
-def build_runners(model: str, systems: Sequence[str]) -> tuple[dict[str, Runner], object]:
+def build_runners(model: str, systems: Sequence[str]) -> tuple[dict[str, Runner], PreTrainedTokenizerBase]:
     """Loads what the chosen systems need; returns {system: runner} and the tokenizer."""
     model_path = resolve_model(model).path
     tokenizer = AutoTokenizer.from_pretrained(model_path)

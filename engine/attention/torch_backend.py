@@ -78,9 +78,16 @@ class TorchAttentionBackend(AttentionBackend):
         return out[group.query_valid]
 
     def _attend(self, q, k_cache, v_cache, group: _PaddedGroup) -> torch.Tensor:
-        k = k_cache[group.block_table].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, Lk, D]
-        v = v_cache[group.block_table].flatten(1, 2).transpose(1, 2)
+        k = self._gather(k_cache, group.block_table)
+        v = self._gather(v_cache, group.block_table)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=self.scale)
+
+    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        """[B, kv_heads, max_blocks * block_size, D] context of each sequence (index_select on a
+        flat id list is about twice as fast as advanced indexing with a 2-D table on CPU)."""
+        num_seqs = block_table.shape[0]
+        blocks = cache.index_select(0, block_table.flatten())
+        return blocks.view(num_seqs, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     @staticmethod
     def _block_table(block_tables, context_lens, block_size, device) -> torch.Tensor:

@@ -10,13 +10,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench import offline
 from bench.offline import Measurement
+from engine import CacheConfig, EngineConfig, LLMEngine
 
 INPUT_LEN = 12
 OUTPUT_LEN = 5
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
+def tiny_folder(tmp_path_factory):
     config = LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
@@ -24,7 +25,12 @@ def tiny_model(tmp_path_factory):
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(folder)
-    return offline.load_peer_model(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_folder):
+    return offline.load_peer_model(tiny_folder)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +61,12 @@ def test_naive_and_generate_batch_produce_exactly_output_len_tokens(tiny_model, 
     assert [len(ids) for ids in batched] == [OUTPUT_LEN] * len(prompts)
     # Both are greedy float32 over the same weights, returned in input order.
     assert batched == naive
+
+
+def test_pdserve_runner_matches_naive(tiny_folder, tiny_model, prompts):
+    engine = LLMEngine(EngineConfig(model=str(tiny_folder), cache=CacheConfig(num_blocks=64)))
+    outputs = offline.run_pdserve(engine, prompts, OUTPUT_LEN)
+    assert outputs == offline.run_naive(tiny_model, prompts, OUTPUT_LEN)
 
 
 def test_eos_does_not_stop_either_peer(tiny_model, prompts):
