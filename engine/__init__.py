@@ -1,18 +1,28 @@
-"""pdserve's shared core: no network code. Config, requests, paged KV cache with prefix
-caching, the model and its runner, the scheduler and the offline engine loop."""
+"""pdserve's shared core: no network code. Config, requests, paged KV cache with prefix caching,
+the model and its runner, the scheduler and the engine loop.
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from engine.request import Request, RequestOutput, RequestStatus
-from engine.sampling_params import SamplingParams
+Names are imported lazily so that torch-free modules (block hashing, sampling params, model
+resolution) can be used by the gateway without importing torch.
+"""
 
-__all__ = [
-    "CacheConfig",
-    "EngineConfig",
-    "LLMEngine",
-    "Request",
-    "RequestOutput",
-    "RequestStatus",
-    "SamplingParams",
-    "SchedulerConfig",
-]
+import importlib
+
+_EXPORTS = {
+    "CacheConfig": "engine.config",
+    "EngineConfig": "engine.config",
+    "SchedulerConfig": "engine.config",
+    "LLMEngine": "engine.llm_engine",
+    "Request": "engine.request",
+    "RequestOutput": "engine.request",
+    "RequestStatus": "engine.request",
+    "TokenLogprob": "engine.request",
+    "SamplingParams": "engine.sampling_params",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,59 @@
+from protos import common_pb2 as _common_pb2
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_KIND_KEY: _ClassVar[KvKind]
+    KV_KIND_VALUE: _ClassVar[KvKind]
+KV_KIND_KEY: KvKind
+KV_KIND_VALUE: KvKind
+
+class KvPage(_message.Message):
+    __slots__ = ("request_id", "layer", "kind", "block_index", "num_blocks", "dtype", "data")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    layer: int
+    kind: KvKind
+    block_index: int
+    num_blocks: int
+    dtype: str
+    data: bytes
+    def __init__(self, request_id: _Optional[str] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[KvKind, str]] = ..., block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class KvCommit(_message.Message):
+    __slots__ = ("request_id", "first_token_id", "first_logprob")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token_id: int
+    first_logprob: _common_pb2.TokenLogprob
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+
+class PushKvRequest(_message.Message):
+    __slots__ = ("page", "commit")
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    page: KvPage
+    commit: KvCommit
+    def __init__(self, page: _Optional[_Union[KvPage, _Mapping]] = ..., commit: _Optional[_Union[KvCommit, _Mapping]] = ...) -> None: ...
+
+class PushKvResponse(_message.Message):
+    __slots__ = ("ok", "error")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
