@@ -60,11 +60,16 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        cache_blocks: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Gives the request blocks for `num_new_tokens` more tokens after its computed ones
         (and after `new_computed_blocks`, a prefix-cache hit being adopted). None if the pool
-        cannot serve it; nothing changes then."""
+        cannot serve it; nothing changes then. `cache_blocks=False` keeps the new blocks out of
+        the prefix cache (their contents arrive later from another node)."""
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -80,8 +85,13 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         assert new_blocks is not None
         req_blocks.extend(new_blocks)
-        self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
+        if cache_blocks:
+            self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
         return new_blocks
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Enters the request's full, computed blocks in the prefix cache."""
+        self._cache_full_blocks(request, self.req_to_blocks.get(request.request_id, []), request.num_computed_tokens)
 
     def record_prefix_query(self, num_tokens: int, num_cached_tokens: int) -> None:
         """Counts one admitted request's prompt for the prefix-cache hit rate."""

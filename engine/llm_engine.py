@@ -49,8 +49,37 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self._request_counter = itertools.count()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> Request:
-        """Queues a request; raises ValueError for a prompt the model or the cache cannot hold."""
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, hold_kv: bool = False
+    ) -> Request:
+        """Queues a request; raises ValueError for a prompt the model or the cache cannot hold.
+        `hold_kv` keeps its blocks after it finishes, until `release_kv` (a prefill node's pages)."""
+        request = self._new_request(request_id, prompt_token_ids, sampling_params)
+        request.hold_kv = hold_kv
+        self.scheduler.add_request(request)
+        return request
+
+    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> list[int] | None:
+        """Decode node: holds blocks for a prompt computed elsewhere; their ids, or None if full."""
+        return self.scheduler.reserve(self._new_request(request_id, prompt_token_ids, sampling_params))
+
+    def admit_prefilled(self, request_id: str, first_token_id: int, logprob=None) -> RequestOutput | None:
+        """Decode node: the pages arrived; the request decodes from the next step on. Returns a
+        final output if the first token already ends it."""
+        request = self.scheduler.admit_prefilled(request_id, first_token_id, logprob)
+        if request.check_stop():
+            self.scheduler.finish(request, request.status)
+            return _step_output(request, first_token_id, logprob)
+        return None
+
+    def release_kv(self, request_id: str) -> None:
+        """Prefill node: the held pages were sent (or the transfer failed): free the blocks."""
+        self.scheduler.release_held(request_id)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.kv_cache_manager.get_block_ids(request_id)
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> Request:
         if len(prompt_token_ids) + sampling_params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling_params.max_tokens}) "
@@ -59,15 +88,14 @@ class LLMEngine:
         vocab_size = self.model_runner.model.config.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
-        request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_ids)
-        self.scheduler.add_request(request)
-        return request
+        return Request(request_id, prompt_token_ids, sampling_params, self.eos_token_ids)
 
     def abort(self, request_id: str) -> None:
         request = self.scheduler.requests.get(request_id)
         if request is not None:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
             self.model_runner.release(request_id)
+        self.scheduler.release_held(request_id)
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -88,7 +116,7 @@ class LLMEngine:
             token_id, logprob = samples[request.request_id]
             request.append_token(token_id, logprob)
             if request.check_stop():
-                self.scheduler.finish(request, request.status)
+                self.scheduler.finish(request, request.status, hold_kv=request.hold_kv)
                 self.model_runner.release(request.request_id)
             outputs.append(_step_output(request, token_id, logprob))
         return outputs

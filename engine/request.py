@@ -69,6 +69,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
         self.num_preemptions = 0
+        self.hold_kv = False  # keep the blocks after finishing (a prefill node sending pages)
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
 
     @property

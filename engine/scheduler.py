@@ -58,10 +58,15 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Disaggregated decode: requests whose prompt KV was pushed by a prefill node.
+        self.reserved: dict[str, Request] = {}  # blocks held, pages still arriving
+        self.prefilled: deque[Request] = deque()  # pages arrived, waiting for a running slot
+        # Prefill node: finished requests whose blocks stay until their pages are sent.
+        self.held: dict[str, Request] = {}
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilled)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -76,22 +81,58 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def reserve(self, request: Request) -> list[int] | None:
+        """Holds blocks for a prompt whose KV another node computes; None if the pool is short.
+        The blocks are not entered in the prefix cache until their pages have arrived."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens, cache_blocks=False) is None:
+            return None
+        self.requests[request.request_id] = request
+        self.reserved[request.request_id] = request
+        return self.kv_cache_manager.get_block_ids(request.request_id)
+
+    def admit_prefilled(self, request_id: str, first_token_id: int, logprob=None) -> Request:
+        """The pushed pages are in place: the request joins the batch at the next step."""
+        request = self.reserved.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv_cache_manager.cache_computed_blocks(request)
+        request.append_token(first_token_id, logprob)
+        self.prefilled.append(request)
+        return request
+
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        while self.prefilled and len(self.running) < self.config.max_num_seqs:
+            request = self.prefilled.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not output.preempted_ids:
             self._schedule_waiting(output, budget)
         return output
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Ends a request (stopped, length or aborted) and frees its blocks at once."""
+    def finish(self, request: Request, status: RequestStatus, hold_kv: bool = False) -> None:
+        """Ends a request (stopped, length or aborted) and frees its blocks at once, unless
+        `hold_kv`: then they stay until `release_held` (a prefill node sending its pages)."""
         request.status = status
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv_cache_manager.free(request)
+        elif request in self.prefilled:
+            self.prefilled.remove(request)
+        self.reserved.pop(request.request_id, None)
         self.requests.pop(request.request_id, None)
+        if hold_kv:
+            self.held[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
+
+    def release_held(self, request_id: str) -> None:
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv_cache_manager.free(request)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         index = 0

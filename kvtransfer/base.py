@@ -1,0 +1,185 @@
+"""The KV transfer interface: what a sender pushes and how a receiver checks and stores it.
+
+Lifecycle of one request's transfer, as the receiver sees it:
+  1. `reserve(request_id, block_ids)`      PENDING: the decode engine holds the blocks
+  2. `receive_page(page)` for each page    TRANSFERRING: every page is checked against the
+                                           reservation, then written straight into the blocks
+  3. `commit(request_id, first_token)`     DONE when every page arrived, else FAILED
+  any check failing                        FAILED with a reason; other requests are unaffected
+The decode service awaits `wait(request_id)` and then admits (or aborts) the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_MESSAGE_BYTES = 4 << 20  # gRPC's default limit; one page message stays below it
+KEY, VALUE = 0, 1
+
+
+class TransferStatus(enum.IntEnum):
+    """Ordered: DONE and FAILED are final."""
+
+    PENDING = 0
+    TRANSFERRING = 1
+    DONE = 2
+    FAILED = 3
+
+
+@dataclass(frozen=True)
+class KvPage:
+    """`num_blocks` consecutive blocks of one layer's K or V, from `block_index` in the
+    request's block list; `data` is their raw bytes, [num_blocks, block_size, heads, dim]."""
+
+    request_id: str
+    layer: int
+    kind: int  # KEY or VALUE
+    block_index: int
+    num_blocks: int
+    dtype: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class KvCommit:
+    request_id: str
+    first_token_id: int
+    first_logprob: object | None = None  # engine.request.TokenLogprob
+
+
+class TransferError(Exception):
+    """A transfer failed; the message says why."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def iter_pages(kv_caches, request_id: str, block_ids: list[int], max_bytes: int = MAX_MESSAGE_BYTES) -> Iterator[KvPage]:
+    """Reads a request's blocks layer by layer, K then V, in messages of at most max_bytes."""
+    block_bytes = kv_caches[0][0][0].numel() * kv_caches[0][0].element_size()
+    per_page = max(1, (max_bytes - 1024) // block_bytes)  # leave room for the header fields
+    index = torch.tensor(block_ids, dtype=torch.long)
+    for layer, caches in enumerate(kv_caches):
+        for kind, cache in ((KEY, caches[0]), (VALUE, caches[1])):
+            for start in range(0, len(block_ids), per_page):
+                blocks = cache.index_select(0, index[start : start + per_page])
+                data = blocks.view(torch.uint8).numpy().tobytes()
+                yield KvPage(request_id, layer, kind, start, blocks.shape[0], dtype_name(cache.dtype), data)
+
+
+@dataclass
+class _Reservation:
+    block_ids: list[int]
+    status: TransferStatus = TransferStatus.PENDING
+    reason: str = ""
+    received: set[tuple[int, int, int]] = field(default_factory=set)  # (layer, kind, block index)
+    commit: KvCommit | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class KvReceiver:
+    """Checks incoming pages against reservations and writes them into the KV caches.
+
+    Mutates the given per-layer caches (only the reserved blocks) and its reservations. Used
+    from one event loop; every transport feeds it the same way."""
+
+    def __init__(self, kv_caches) -> None:
+        self.kv_caches = kv_caches
+        self.num_layers = len(kv_caches)
+        sample = kv_caches[0][0]
+        self.block_shape = tuple(sample.shape[1:])
+        self.block_bytes = sample[0].numel() * sample.element_size()
+        self.dtype = sample.dtype
+        self.reservations: dict[str, _Reservation] = {}
+        self.num_bytes_received = 0
+
+    def reserve(self, request_id: str, block_ids: list[int]) -> None:
+        self.reservations[request_id] = _Reservation(list(block_ids))
+
+    def status(self, request_id: str) -> TransferStatus | None:
+        reservation = self.reservations.get(request_id)
+        return reservation.status if reservation else None
+
+    def receive_page(self, page: KvPage) -> None:
+        """Stores one page; raises TransferError (and fails the request) if it does not fit."""
+        reservation = self._open_reservation(page.request_id)
+        error = self._check(page, reservation)
+        if error:
+            self.fail(page.request_id, error)
+            raise TransferError(error)
+        target = reservation.block_ids[page.block_index : page.block_index + page.num_blocks]
+        data = torch.frombuffer(bytearray(page.data), dtype=self.dtype).view(page.num_blocks, *self.block_shape)
+        self.kv_caches[page.layer][page.kind][torch.tensor(target, dtype=torch.long)] = data
+        for i in range(page.block_index, page.block_index + page.num_blocks):
+            reservation.received.add((page.layer, page.kind, i))
+        reservation.status = TransferStatus.TRANSFERRING
+        self.num_bytes_received += len(page.data)
+
+    def commit(self, commit: KvCommit) -> None:
+        reservation = self._open_reservation(commit.request_id)
+        expected = self.num_layers * 2 * len(reservation.block_ids)
+        if len(reservation.received) != expected:
+            error = f"request {commit.request_id}: commit after {len(reservation.received)} of {expected} blocks"
+            self.fail(commit.request_id, error)
+            raise TransferError(error)
+        reservation.commit = commit
+        reservation.status = TransferStatus.DONE
+        reservation.done.set()
+
+    def fail(self, request_id: str, reason: str) -> None:
+        reservation = self.reservations.get(request_id)
+        if reservation is not None and reservation.status < TransferStatus.DONE:
+            reservation.status = TransferStatus.FAILED
+            reservation.reason = reason
+            reservation.done.set()
+
+    async def wait(self, request_id: str, timeout_s: float) -> KvCommit:
+        """The commit once every page is in; raises TransferError on failure or timeout."""
+        reservation = self.reservations[request_id]
+        try:
+            await asyncio.wait_for(reservation.done.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            self.fail(request_id, f"request {request_id}: KV pages did not arrive within {timeout_s:.1f} s")
+        if reservation.status == TransferStatus.FAILED:
+            raise TransferError(reservation.reason)
+        return reservation.commit
+
+    def forget(self, request_id: str) -> None:
+        self.reservations.pop(request_id, None)
+
+    def _open_reservation(self, request_id: str) -> _Reservation:
+        reservation = self.reservations.get(request_id)
+        if reservation is None:
+            raise TransferError(f"unknown request {request_id!r}: no blocks are reserved for it")
+        if reservation.status >= TransferStatus.DONE:
+            raise TransferError(f"request {request_id}: transfer already {reservation.status.name.lower()}")
+        return reservation
+
+    def _check(self, page: KvPage, reservation: _Reservation) -> str:
+        where = f"request {page.request_id}, layer {page.layer}, blocks {page.block_index}+{page.num_blocks}"
+        if not 0 <= page.layer < self.num_layers or page.kind not in (KEY, VALUE):
+            return f"{where}: no such layer/kind (model has {self.num_layers} layers)"
+        if page.num_blocks < 1 or page.block_index < 0 or page.block_index + page.num_blocks > len(reservation.block_ids):
+            return f"{where}: outside the {len(reservation.block_ids)} reserved blocks"
+        if page.dtype != dtype_name(self.dtype):
+            return f"{where}: dtype {page.dtype}, expected {dtype_name(self.dtype)}"
+        if len(page.data) != page.num_blocks * self.block_bytes:
+            return f"{where}: {len(page.data)} bytes, expected {page.num_blocks * self.block_bytes}"
+        if any((page.layer, page.kind, i) in reservation.received for i in range(page.block_index, page.block_index + page.num_blocks)):
+            return f"{where}: duplicate page"
+        return ""
+
+
+class KvSender(ABC):
+    """Pushes a request's pages to a decode node, then commits the first token."""
+
+    @abstractmethod
+    async def send(self, address: str, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
+        """Returns when the receiver accepted every page and the commit; raises TransferError."""

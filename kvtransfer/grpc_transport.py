@@ -1,0 +1,104 @@
+"""KV transfer over a gRPC client stream: raw page bytes, at most 4 MiB per message.
+
+The prefill node opens one `PushKv` stream per request to the decode node's
+KvTransferService, sends every page, then a commit; the decode node's servicer feeds each
+message to its KvReceiver and answers once, with ok or the first error.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from kvtransfer.base import KvCommit, KvPage, KvReceiver, KvSender, TransferError, iter_pages
+from protos import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 8 << 20),
+    ("grpc.max_receive_message_length", 8 << 20),
+]
+
+
+def page_to_proto(page: KvPage) -> kv_transfer_pb2.PushKvRequest:
+    return kv_transfer_pb2.PushKvRequest(
+        page=kv_transfer_pb2.KvPage(
+            request_id=page.request_id,
+            layer=page.layer,
+            kind=page.kind,
+            block_index=page.block_index,
+            num_blocks=page.num_blocks,
+            dtype=page.dtype,
+            data=page.data,
+        )
+    )
+
+
+def page_from_proto(message: kv_transfer_pb2.KvPage) -> KvPage:
+    return KvPage(
+        message.request_id, message.layer, int(message.kind), message.block_index, message.num_blocks, message.dtype, message.data
+    )
+
+
+def logprob_to_proto(logprob) -> common_pb2.TokenLogprob | None:
+    if logprob is None:
+        return None
+    return common_pb2.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob, top_logprobs=logprob.top_logprobs)
+
+
+def logprob_from_proto(message: common_pb2.TokenLogprob):
+    from engine.request import TokenLogprob
+
+    return TokenLogprob(message.token_id, message.logprob, dict(message.top_logprobs))
+
+
+class GrpcKvSender(KvSender):
+    """Keeps one channel per decode address."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def send(self, address: str, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
+        stub = kv_transfer_pb2_grpc.KvTransferServiceStub(self._channel(address))
+        try:
+            response = await stub.PushKv(self._messages(kv_caches, block_ids, commit))
+        except grpc.aio.AioRpcError as error:
+            raise TransferError(f"push to {address} failed: {error.code().name} {error.details()}") from error
+        if not response.ok:
+            raise TransferError(response.error)
+
+    @staticmethod
+    async def _messages(kv_caches, block_ids, commit: KvCommit):
+        for page in iter_pages(kv_caches, commit.request_id, block_ids):
+            yield page_to_proto(page)
+        message = kv_transfer_pb2.KvCommit(request_id=commit.request_id, first_token_id=commit.first_token_id)
+        if commit.first_logprob is not None:
+            message.first_logprob.CopyFrom(logprob_to_proto(commit.first_logprob))
+        yield kv_transfer_pb2.PushKvRequest(commit=message)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        return self._channels[address]
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+
+class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServiceServicer):
+    """Decode side: feeds every pushed message to the receiver; the first error ends the stream."""
+
+    def __init__(self, receiver: KvReceiver) -> None:
+        self.receiver = receiver
+
+    async def PushKv(self, request_iterator, context) -> kv_transfer_pb2.PushKvResponse:
+        try:
+            async for message in request_iterator:
+                if message.HasField("page"):
+                    self.receiver.receive_page(page_from_proto(message.page))
+                else:
+                    c = message.commit
+                    logprob = logprob_from_proto(c.first_logprob) if c.HasField("first_logprob") else None
+                    self.receiver.commit(KvCommit(c.request_id, c.first_token_id, logprob))
+        except TransferError as error:
+            return kv_transfer_pb2.PushKvResponse(ok=False, error=str(error))
+        return kv_transfer_pb2.PushKvResponse(ok=True)
