@@ -3,6 +3,9 @@
     pdserve generate --model M --max-tokens N [sampling flags] [--chat] (PROMPT ... | --prompts-file F)
     pdserve fetch-model --model M
     pdserve bench offline [--model M] [--concurrency 1,8,32] ...
+    pdserve prefill | decode | colocated --model M --host H --port P --redis-url URL [--node-id ID]
+    pdserve gateway --model M --host H --port P --redis-url URL
+    pdserve up [--model M] [--host H] [--port P] [--prefill N] [--decode M] [--redis-url URL] [--colocated]
 """
 
 from __future__ import annotations
@@ -62,6 +65,32 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = commands.add_parser("fetch-model", help="resolve a model and cache it as safetensors")
     fetch.add_argument("--model", default="smollm2-135m")
 
+    for role in ("prefill", "decode", "colocated"):
+        node = commands.add_parser(role, help=f"run one {role} node (gRPC)")
+        add_engine_arguments(node)
+        node.add_argument("--host", default="127.0.0.1")
+        node.add_argument("--port", type=int, default=0, help="0 picks a free port")
+        node.add_argument("--advertise-host", help="host other nodes dial (default: --host)")
+        node.add_argument("--redis-url", required=True)
+        node.add_argument("--node-id", default="")
+        node.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
+        node.add_argument("--kv-timeout-s", type=float, default=30.0, help="how long a decode node waits for pages")
+
+    gateway = commands.add_parser("gateway", help="run the OpenAI-compatible gateway")
+    gateway.add_argument("--model", default="smollm2-135m")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8000)
+    gateway.add_argument("--redis-url", required=True)
+
+    up = commands.add_parser("up", help="start Redis, the nodes and the gateway on this machine")
+    up.add_argument("--model", default="smollm2-135m")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--prefill", type=int, default=1, help="number of prefill nodes")
+    up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
+    up.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
+    up.add_argument("--colocated", action="store_true", help="one node doing prefill and decode, no KV transfer")
+
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
     bench_kinds.add_parser("offline", help="engine throughput against transformers peers", add_help=False)
@@ -81,6 +110,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_level)
     if args.command == "generate":
         return run_generate(args, parser)
+    if args.command in ("prefill", "decode", "colocated"):
+        return run_node(args)
+    if args.command == "gateway":
+        from gateway.server import run_gateway_from_cli
+
+        return run_gateway_from_cli(model=args.model, host=args.host, port=args.port, redis_url=args.redis_url)
+    if args.command == "up":
+        from cluster.launcher import LaunchPlan, run_up
+
+        plan = LaunchPlan(
+            model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
+            num_decode=args.decode, redis_url=args.redis_url, colocated=args.colocated,
+        )
+        return run_up(plan)
     if args.command == "fetch-model":
         from engine.model_loader import resolve_model
 
@@ -88,6 +131,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def run_node(args: argparse.Namespace) -> int:
+    from cluster.node import NodeSettings
+
+    settings = NodeSettings(
+        model=args.model, host=args.host, port=args.port, advertise_host=args.advertise_host,
+        redis_url=args.redis_url, node_id=args.node_id, num_threads=args.num_threads, dtype=args.dtype,
+        device=args.device, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=not args.no_prefix_caching, kv_timeout_s=args.kv_timeout_s,
+    )
+    if args.command == "prefill":
+        from prefill_service.server import run_prefill_node
+
+        run_prefill_node(settings)
+    else:
+        from decode_service.server import run_decode_node
+
+        run_decode_node(settings, role=args.command)
+    return 0
 
 
 def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -35,14 +35,14 @@ class AsyncEngine:
         self._streams_lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.on_step: Callable[[list[RequestOutput]], None] | None = None  # runs on the engine thread
+        self.load: dict[str, int] = engine.load()  # refreshed on the engine thread every loop
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stopping.set()
-        self._commands.put((lambda engine: None, None, None))
+        self.submit(lambda engine: None)  # wakes the loop
         self._thread.join(timeout=30)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -72,19 +72,24 @@ class AsyncEngine:
                 stream, loop = target
                 loop.call_soon_threadsafe(stream.put_nowait, output)
 
+    def submit(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Queues fn(engine) without waiting (safe from cleanup code that may be cancelled)."""
+        self._commands.put((fn, None, None))
+
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._run_commands(block=not self.engine.has_unfinished_requests)
-            if self._stopping.is_set() or not self.engine.has_unfinished_requests:
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception:  # a broken step must not kill the node silently
-                logger.exception("engine step failed")
-                raise
-            if self.on_step is not None:
-                self.on_step(outputs)
-            self.publish(outputs)
+            if not self._stopping.is_set() and self.engine.has_unfinished_requests:
+                self._step()
+            self.load = self.engine.load()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # a broken step must not kill the node silently
+            logger.exception("engine step failed")
+            raise
+        self.publish(outputs)
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -99,7 +104,11 @@ class AsyncEngine:
                 return
 
     def _run_command(self, fn, future, loop) -> None:
-        if future is None:
+        if future is None:  # submitted without a waiter
+            try:
+                fn(self.engine)
+            except Exception:
+                logger.exception("engine command failed")
             return
         try:
             result = fn(self.engine)

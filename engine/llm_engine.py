@@ -97,6 +97,17 @@ class LLMEngine:
             self.model_runner.release(request_id)
         self.scheduler.release_held(request_id)
 
+    def load(self) -> dict[str, int]:
+        """What the node reports to the registry (read on the engine thread)."""
+        scheduler = self.scheduler
+        return {
+            "num_waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+            + sum(r.num_tokens - r.num_computed_tokens for r in scheduler.running if r.num_computed_tokens < r.num_prompt_tokens),
+            "num_running": len(scheduler.running) + len(scheduler.prefilled),
+            "num_free_blocks": self.kv_cache_manager.num_free_blocks,
+            "num_pending_transfers": len(scheduler.reserved) + len(scheduler.held),
+        }
+
     @property
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests

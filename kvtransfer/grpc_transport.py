@@ -10,7 +10,8 @@ from __future__ import annotations
 import grpc
 
 from kvtransfer.base import KvCommit, KvPage, KvReceiver, KvSender, TransferError, iter_pages
-from protos import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
+from protos.convert import logprob_from_proto, logprob_to_proto
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 8 << 20),
@@ -36,18 +37,6 @@ def page_from_proto(message: kv_transfer_pb2.KvPage) -> KvPage:
     return KvPage(
         message.request_id, message.layer, int(message.kind), message.block_index, message.num_blocks, message.dtype, message.data
     )
-
-
-def logprob_to_proto(logprob) -> common_pb2.TokenLogprob | None:
-    if logprob is None:
-        return None
-    return common_pb2.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob, top_logprobs=logprob.top_logprobs)
-
-
-def logprob_from_proto(message: common_pb2.TokenLogprob):
-    from engine.request import TokenLogprob
-
-    return TokenLogprob(message.token_id, message.logprob, dict(message.top_logprobs))
 
 
 class GrpcKvSender(KvSender):

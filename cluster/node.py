@@ -1,0 +1,128 @@
+"""What every node process shares: settings, engine start-up, the gRPC server with the
+standard health service, registration in Redis, and a clean stop on SIGTERM/SIGINT.
+
+Lifecycle of a node:
+  1. build the engine (model load) and start its thread;
+  2. start the gRPC server with the role's servicers and mark it SERVING;
+  3. register in Redis and heartbeat the engine's load;
+  4. on SIGTERM/SIGINT: leave the registry, stop the server (short grace), stop the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import uuid
+from collections.abc import Callable
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from cluster.registry import NodeCapacity, NodeInfo, NodeLoad, NodeRegistration
+from engine.async_engine import AsyncEngine
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from kvtransfer.grpc_transport import GRPC_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+
+class NodeSettings(BaseSettings):
+    """One node's settings (env prefix PDSERVE_NODE_, or CLI flags)."""
+
+    model_config = SettingsConfigDict(env_prefix="PDSERVE_NODE_")
+
+    model: str = "smollm2-135m"
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None  # address others dial; defaults to host
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    node_id: str = ""
+    num_threads: int = 0  # 0: torch's default
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_gib: float = 1.0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    kv_timeout_s: float = 30.0
+    heartbeat_s: float = 1.0
+    ttl_s: float = 3.0
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=int(self.kv_cache_gib * (1 << 30)),
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs),
+        )
+
+
+AddServicers = Callable[[grpc.aio.Server, AsyncEngine, NodeSettings], object]
+
+
+def serve_node(role: str, settings: NodeSettings, add_servicers: AddServicers) -> None:
+    if settings.num_threads > 0:
+        torch.set_num_threads(settings.num_threads)
+    asyncio.run(_serve(role, settings, add_servicers))
+
+
+async def _serve(role: str, settings: NodeSettings, add_servicers: AddServicers) -> None:
+    engine = await asyncio.to_thread(LLMEngine, settings.engine_config())
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    resources = add_servicers(server, async_engine, settings)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    registration = NodeRegistration(
+        settings.redis_url, _node_info(role, settings, engine, port), lambda: NodeLoad(**async_engine.load),
+        interval_s=settings.heartbeat_s, ttl_s=settings.ttl_s,
+    )
+    await registration.start()
+    logger.info("%s node %s serving on %s:%d", role, registration.node_info.node_id, settings.host, port)
+    await _wait_for_signal()
+    logger.info("stopping %s node", role)
+    await registration.stop()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=2.0)
+    if hasattr(resources, "close"):
+        await resources.close()
+    async_engine.stop()
+
+
+def _node_info(role: str, settings: NodeSettings, engine: LLMEngine, port: int) -> NodeInfo:
+    host = settings.advertise_host or settings.host
+    return NodeInfo(
+        node_id=settings.node_id or f"{role}-{socket.gethostname()}-{port}-{uuid.uuid4().hex[:6]}",
+        role=role,
+        address=f"{host}:{port}",
+        model=engine.served_model_name,
+        capacity=NodeCapacity(
+            num_blocks=engine.kv_cache_manager.block_pool.num_blocks,
+            block_size=settings.block_size,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+        ),
+    )
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -1,0 +1,1 @@
+"""Decode node: receives prompts' KV pages, runs the continuous batch, streams tokens."""

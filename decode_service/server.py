@@ -1,0 +1,27 @@
+"""`pdserve decode` and `pdserve colocated`: decode node processes.
+
+A colocated node is a decode node whose requests all ask for `local_prefill`: prefill and
+decode share one engine and one continuous batch, with no KV transfer."""
+
+from __future__ import annotations
+
+import grpc
+
+from cluster.node import NodeSettings, serve_node
+from decode_service.servicer import DecodeServicer
+from engine.async_engine import AsyncEngine
+from kvtransfer.base import KvReceiver
+from kvtransfer.grpc_transport import KvTransferServicer
+from protos import decode_pb2_grpc, kv_transfer_pb2_grpc
+
+
+def add_decode_servicers(server: grpc.aio.Server, async_engine: AsyncEngine, settings: NodeSettings) -> DecodeServicer:
+    receiver = KvReceiver(async_engine.engine.model_runner.kv_caches)
+    servicer = DecodeServicer(async_engine, receiver, settings.kv_timeout_s)
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+    kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server(KvTransferServicer(receiver), server)
+    return servicer
+
+
+def run_decode_node(settings: NodeSettings, role: str = "decode") -> None:
+    serve_node(role, settings, add_decode_servicers)

@@ -1,0 +1,100 @@
+"""The decode node's gRPC servicer.
+
+Lifecycle of one Generate stream:
+  1. reserve KV blocks for the prompt (RESOURCE_EXHAUSTED if the pool is full) and send
+     `reserved`, so the gateway can start the prefill;
+  2. wait for the prefill node to push every page and commit the first token, with a
+     deadline: on expiry or a bad page, free the blocks and fail with UNAVAILABLE;
+  3. join the continuous batch at the next step boundary and stream each sampled token,
+     the last chunk with its finish reason; the request leaves the batch as it finishes.
+Client cancellation at any point aborts the request and frees its blocks.
+`local_prefill` (colocated mode) skips 1-2: the prompt is computed in this node's own batch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.request import RequestOutput
+from kvtransfer.base import KvReceiver, TransferError
+from protos import decode_pb2, decode_pb2_grpc
+from protos.convert import logprob_to_proto, sampling_params_from_proto
+
+logger = logging.getLogger(__name__)
+
+
+def chunk_message(output: RequestOutput) -> decode_pb2.GenerateResponse:
+    return decode_pb2.GenerateResponse(
+        chunk=decode_pb2.TokenChunk(
+            token_ids=output.new_token_ids,
+            logprobs=[logprob_to_proto(lp) for lp in output.new_logprobs],
+            finish_reason=output.finish_reason or "",
+            num_cached_tokens=output.num_cached_tokens,
+        )
+    )
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, async_engine: AsyncEngine, receiver: KvReceiver, kv_timeout_s: float) -> None:
+        self.async_engine = async_engine
+        self.receiver = receiver
+        self.kv_timeout_s = kv_timeout_s
+
+    async def Generate(self, request: decode_pb2.GenerateRequest, context):
+        rid = request.request_id
+        try:
+            params = sampling_params_from_proto(request.sampling_params)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        stream = self.async_engine.open_stream(rid)
+        finished = False
+        try:
+            prompt = list(request.prompt_token_ids)
+            if request.local_prefill:
+                yield await self._add_local(rid, prompt, params, context)
+            else:
+                yield await self._reserve(rid, prompt, params, context)
+                final = await self._await_pages(rid, request.kv_timeout_ms / 1000 or self.kv_timeout_s, context)
+                if final is not None:
+                    finished = True
+                    yield chunk_message(final)
+                    return
+            while not finished:
+                output = await stream.get()
+                finished = output.finished
+                yield chunk_message(output)
+        finally:
+            self.async_engine.close_stream(rid)
+            self.receiver.forget(rid)
+            if not finished:  # cancelled or failed: free the blocks (abort is a no-op if gone)
+                self.async_engine.submit(lambda engine: engine.abort(rid))
+
+    async def _add_local(self, rid, prompt, params, context) -> decode_pb2.GenerateResponse:
+        try:
+            await self.async_engine.call(lambda engine: engine.add_request(rid, prompt, params))
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return decode_pb2.GenerateResponse(reserved=decode_pb2.Reserved(num_blocks=0))
+
+    async def _reserve(self, rid, prompt, params, context) -> decode_pb2.GenerateResponse:
+        try:
+            block_ids = await self.async_engine.call(lambda engine: engine.reserve_prefilled(rid, prompt, params))
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if block_ids is None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode node has no free KV blocks for this prompt")
+        self.receiver.reserve(rid, block_ids)
+        return decode_pb2.GenerateResponse(reserved=decode_pb2.Reserved(num_blocks=len(block_ids)))
+
+    async def _await_pages(self, rid, timeout_s: float, context) -> RequestOutput | None:
+        try:
+            commit = await self.receiver.wait(rid, timeout_s)
+        except TransferError as error:
+            logger.warning("request %s: %s", rid, error)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error}")
+        return await self.async_engine.call(
+            lambda engine: engine.admit_prefilled(rid, commit.first_token_id, commit.first_logprob)
+        )

@@ -1,0 +1,145 @@
+"""The gateway's backend over real nodes: gRPC to prefill and decode nodes found in Redis.
+
+Lifecycle of one request (disaggregated):
+  1. pick a decode node and open its Generate stream; it reserves blocks and says `reserved`;
+  2. pick a prefill node and call Prefill, naming the decode node; the first token comes back
+     as soon as it is sampled and is streamed to the client at once;
+  3. if it did not end the request, relay the decode node's token chunks until the last.
+With colocated nodes (no prefill/decode split) step 2 is skipped: the node computes the
+prompt itself. A node that refuses or fails before any token was sent is routed around.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from cluster.registry import NodeInfo, RegistryView
+from engine.sampling_params import SamplingParams
+from gateway.backend import BackendError, BackendErrorKind, GenerationChunk
+from gateway.router import Router
+from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from protos.convert import logprob_from_proto, sampling_params_to_proto
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+STATUS_TO_KIND = {
+    grpc.StatusCode.INVALID_ARGUMENT: BackendErrorKind.INVALID_REQUEST,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: BackendErrorKind.OVERLOADED,
+}
+
+
+class ClusterBackend:
+    """Owns one gRPC channel per node address and the router's in-flight counts."""
+
+    def __init__(self, registry: RegistryView, kv_timeout_ms: int = 30_000) -> None:
+        self.registry = registry
+        self.router = Router(registry)
+        self.kv_timeout_ms = kv_timeout_ms
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def is_ready(self) -> bool:
+        if self.registry.nodes("colocated"):
+            return True
+        return bool(self.registry.nodes("prefill") and self.registry.nodes("decode"))
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        tried: set[str] = set()
+        last_error: grpc.aio.AioRpcError | None = None
+        for _ in range(MAX_ATTEMPTS):
+            plan = self._plan(tried)
+            if plan is None:
+                break
+            sent_any = False
+            try:
+                async for chunk in self._run(request_id, prompt_token_ids, params, *plan):
+                    sent_any = True
+                    yield chunk
+                return
+            except grpc.aio.AioRpcError as error:
+                if sent_any or error.code() not in RETRYABLE:
+                    raise _backend_error(error) from error
+                last_error = error
+                tried.update(self._blamed(plan, error))
+                logger.warning("request %s: %s, routing around it", request_id, error.details())
+        if last_error is not None:
+            raise _backend_error(last_error)
+        raise BackendError(BackendErrorKind.UNAVAILABLE, "no healthy prefill and decode nodes are registered")
+
+    def _plan(self, tried: set[str]) -> tuple[NodeInfo | None, NodeInfo] | None:
+        colocated = self.router.pick_decode("colocated", tried)
+        if colocated is not None:
+            return None, colocated
+        decode, prefill = self.router.pick_decode("decode", tried), self.router.pick_prefill(tried)
+        return (prefill, decode) if decode and prefill else None
+
+    @staticmethod
+    def _blamed(plan, error: grpc.aio.AioRpcError) -> set[str]:
+        prefill, decode = plan
+        # Which node failed is in the error's origin; without it, avoid both next time.
+        return {n.node_id for n in (prefill, decode) if n is not None and n.address in (error.details() or "")} or {
+            n.node_id for n in (prefill, decode) if n is not None
+        }
+
+    async def _run(self, rid, prompt, params, prefill: NodeInfo | None, decode: NodeInfo) -> AsyncIterator[GenerationChunk]:
+        nodes = [n for n in (prefill, decode) if n is not None]
+        for node in nodes:
+            self.router.acquire(node)
+        call = decode_pb2_grpc.DecodeServiceStub(self._channel(decode.address)).Generate(
+            decode_pb2.GenerateRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                sampling_params=sampling_params_to_proto(params),
+                local_prefill=prefill is None,
+                kv_timeout_ms=self.kv_timeout_ms,
+            )
+        )
+        try:
+            await call.read()  # `reserved`: blocks are held on the decode node
+            if prefill is not None:
+                first = await self._prefill(prefill, decode, rid, prompt, params)
+                yield first
+                if first.finish_reason is not None:
+                    return
+            while (message := await call.read()) is not grpc.aio.EOF:
+                chunk = message.chunk
+                yield GenerationChunk(
+                    token_ids=list(chunk.token_ids),
+                    logprobs=[logprob_from_proto(lp) for lp in chunk.logprobs],
+                    finish_reason=chunk.finish_reason or None,
+                    num_cached_tokens=chunk.num_cached_tokens,
+                )
+                if chunk.finish_reason:
+                    return
+        finally:
+            call.cancel()  # no-op once finished; otherwise the decode node aborts and frees blocks
+            for node in nodes:
+                self.router.release(node)
+
+    async def _prefill(self, prefill: NodeInfo, decode: NodeInfo, rid, prompt, params) -> GenerationChunk:
+        stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(prefill.address))
+        response = await stub.Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling_params=sampling_params_to_proto(params), decode_address=decode.address
+            )
+        )
+        logprobs = [logprob_from_proto(response.first_logprob)] if response.HasField("first_logprob") else []
+        return GenerationChunk([response.first_token_id], logprobs, response.finish_reason or None, response.num_cached_tokens)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address)
+        return self._channels[address]
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+
+def _backend_error(error: grpc.aio.AioRpcError) -> BackendError:
+    kind = STATUS_TO_KIND.get(error.code(), BackendErrorKind.UNAVAILABLE)
+    return BackendError(kind, f"{error.code().name.lower()}: {error.details()}")

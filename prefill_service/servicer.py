@@ -1,0 +1,98 @@
+"""The prefill node's gRPC servicer.
+
+Lifecycle of one Prefill call:
+  1. the prompt joins the engine with max_tokens=1 and its KV blocks held after it finishes
+     (the scheduler batches it with other prompts; chunked prefill applies);
+  2. the first token is sampled here and returned to the gateway at once;
+  3. unless that token already ends the request, a background task pushes the pages to the
+     decode node and commits the first token there; the blocks are freed when the push is
+     done or failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.sampling_params import SamplingParams
+from kvtransfer.base import KvCommit, KvSender, TransferError
+from protos import prefill_pb2, prefill_pb2_grpc
+from protos.convert import logprob_to_proto, sampling_params_from_proto
+
+logger = logging.getLogger(__name__)
+
+
+def finish_reason_after_first_token(params: SamplingParams, eos_token_ids: tuple[int, ...], token_id: int) -> str | None:
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+        return "stop"
+    if params.max_tokens <= 1:
+        return "length"
+    return None
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, async_engine: AsyncEngine, sender: KvSender) -> None:
+        self.async_engine = async_engine
+        self.sender = sender
+        self._pushes: set[asyncio.Task] = set()
+        self.num_push_failures = 0
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
+        rid = request.request_id
+        try:
+            params = sampling_params_from_proto(request.sampling_params)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        output = await self._first_token(rid, list(request.prompt_token_ids), params, context)
+        token_id = output.new_token_ids[0]
+        logprob = output.new_logprobs[0] if output.new_logprobs else None
+        reason = finish_reason_after_first_token(params, self.async_engine.engine.eos_token_ids, token_id)
+        if reason is None:
+            self._start_push(rid, request.decode_address, KvCommit(rid, token_id, logprob))
+        else:
+            self.async_engine.submit(lambda engine: engine.release_kv(rid))
+        response = prefill_pb2.PrefillResponse(
+            first_token_id=token_id, finished=reason is not None, finish_reason=reason or "", num_cached_tokens=output.num_cached_tokens
+        )
+        if logprob is not None:
+            response.first_logprob.CopyFrom(logprob_to_proto(logprob))
+        return response
+
+    async def _first_token(self, rid: str, prompt: list[int], params: SamplingParams, context):
+        stream = self.async_engine.open_stream(rid)
+        prefill_params = dataclasses.replace(params, max_tokens=1)
+        try:
+            await self.async_engine.call(lambda engine: engine.add_request(rid, prompt, prefill_params, hold_kv=True))
+        except ValueError as error:
+            self.async_engine.close_stream(rid)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        try:
+            return await stream.get()
+        except asyncio.CancelledError:  # the gateway gave up: drop the request and its blocks
+            self.async_engine.submit(lambda engine: engine.abort(rid))
+            raise
+        finally:
+            self.async_engine.close_stream(rid)
+
+    def _start_push(self, rid: str, address: str, commit: KvCommit) -> None:
+        task = asyncio.create_task(self._push(rid, address, commit), name=f"push-{rid}")
+        self._pushes.add(task)
+        task.add_done_callback(self._pushes.discard)
+
+    async def _push(self, rid: str, address: str, commit: KvCommit) -> None:
+        try:
+            block_ids = await self.async_engine.call(lambda engine: engine.block_ids(rid))
+            await self.sender.send(address, self.async_engine.engine.model_runner.kv_caches, block_ids, commit)
+        except TransferError as error:
+            self.num_push_failures += 1
+            logger.warning("KV push of %s to %s failed: %s", rid, address, error)
+        finally:
+            self.async_engine.submit(lambda engine: engine.release_kv(rid))
+
+    async def close(self) -> None:
+        for task in list(self._pushes):
+            task.cancel()
