@@ -113,9 +113,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("prefill", "decode", "colocated"):
         return run_node(args)
     if args.command == "gateway":
-        from gateway.server import run_gateway_from_cli
+        import asyncio
 
-        return run_gateway_from_cli(model=args.model, host=args.host, port=args.port, redis_url=args.redis_url)
+        from gateway.cluster_backend import serve_cluster_gateway
+        from gateway.settings import GatewaySettings
+
+        settings = GatewaySettings(model=args.model, host=args.host, port=args.port, redis_url=args.redis_url)
+        asyncio.run(serve_cluster_gateway(settings))
+        return 0
     if args.command == "up":
         from cluster.launcher import LaunchPlan, run_up
 

@@ -143,3 +143,17 @@ class ClusterBackend:
 def _backend_error(error: grpc.aio.AioRpcError) -> BackendError:
     kind = STATUS_TO_KIND.get(error.code(), BackendErrorKind.UNAVAILABLE)
     return BackendError(kind, f"{error.code().name.lower()}: {error.details()}")
+
+
+async def serve_cluster_gateway(settings) -> None:
+    """Serves the gateway over the nodes registered in `settings.redis_url` until signalled."""
+    from gateway.server import serve_gateway
+
+    registry = RegistryView(settings.redis_url)
+    await registry.start()
+    backend = ClusterBackend(registry)
+    try:
+        await serve_gateway(settings, backend)
+    finally:
+        await backend.close()
+        await registry.stop()

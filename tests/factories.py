@@ -83,3 +83,18 @@ def assert_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits: list
 
 def load_reference(folder: Path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def build_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
+    """A tiny random-weight Llama with the default model's real tokenizer and chat template
+    (vocabulary 49152), for end-to-end tests through the gateway."""
+    import shutil
+
+    from engine.model_loader import resolve_model
+
+    source = resolve_model("smollm2-135m").path
+    build_tiny_model(folder, "llama", seed=seed, vocab_size=49152, eos_token_id=2, bos_token_id=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
+    return folder
