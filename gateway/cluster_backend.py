@@ -11,10 +11,12 @@ prompt itself. A node that refuses or fails before any token was sent is routed 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from prometheus_client import Counter
 
 from cluster.registry import NodeInfo, RegistryView
 from engine.sampling_params import SamplingParams
@@ -24,6 +26,8 @@ from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from protos.convert import logprob_from_proto, sampling_params_to_proto
 
 logger = logging.getLogger(__name__)
+
+ROUTED_REQUESTS = Counter("pdserve_gateway_routed_requests", "Requests routed to each node", ["role", "node_id"])
 
 MAX_ATTEMPTS = 3
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -56,9 +60,11 @@ class ClusterBackend:
                 break
             sent_any = False
             try:
-                async for chunk in self._run(request_id, prompt_token_ids, params, *plan):
-                    sent_any = True
-                    yield chunk
+                # aclosing: when the gateway stops early (stop string), cancel the node call now.
+                async with contextlib.aclosing(self._run(request_id, prompt_token_ids, params, *plan)) as chunks:
+                    async for chunk in chunks:
+                        sent_any = True
+                        yield chunk
                 return
             except grpc.aio.AioRpcError as error:
                 if sent_any or error.code() not in RETRYABLE:
@@ -89,6 +95,7 @@ class ClusterBackend:
         nodes = [n for n in (prefill, decode) if n is not None]
         for node in nodes:
             self.router.acquire(node)
+            ROUTED_REQUESTS.labels(node.role, node.node_id).inc()
         call = decode_pb2_grpc.DecodeServiceStub(self._channel(decode.address)).Generate(
             decode_pb2.GenerateRequest(
                 request_id=rid,

@@ -1,0 +1,146 @@
+"""Turns a response's choices into backend generations and their token chunks into text deltas.
+
+Lifecycle of one response:
+  1. `ChoiceStream.open` starts one backend generation per choice (n per prompt), concurrently,
+     and waits for the first delta, so that an error before any output (overloaded, no node)
+     becomes an HTTP error instead of a broken stream.
+  2. Each choice detokenizes its chunks and applies stop strings; a stop string hit closes that
+     choice's backend stream at once (the nodes abort it).
+  3. The deltas of all choices arrive merged, in the order they are produced.
+  4. `aclose()` (done, client gone, error) cancels what is still running and closes every
+     backend stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+
+from engine.request import TokenLogprob
+from engine.sampling_params import SamplingParams
+from gateway.backend import BackendError, BackendErrorKind, GenerationBackend
+from gateway.detokenizer import Detokenizer
+from gateway.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ChoiceSpec:
+    """One backend generation: one choice of the response."""
+
+    index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class ChoiceDelta:
+    """New final text of one choice, with the logprobs of the tokens it came from."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_tokens: int = 0  # tokens the backend produced since the last delta
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+
+
+async def close_quietly(stream: object) -> None:
+    """Closes an async iterator even while the caller is being cancelled (client gone)."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True):
+            await aclose()
+
+
+async def _open_backend_stream(backend: GenerationBackend, spec: ChoiceSpec) -> AsyncIterator:
+    stream = backend.generate(spec.request_id, spec.prompt_token_ids, spec.params)
+    # An async-generator backend hands back the iterator; a coroutine one hands it back when awaited.
+    return await stream if inspect.isawaitable(stream) else stream
+
+
+async def stream_choice(backend: GenerationBackend, tokenizer: Tokenizer, spec: ChoiceSpec) -> AsyncIterator[ChoiceDelta]:
+    """The deltas of one choice; the last one has the finish reason. Only non-empty text or the
+    finish makes a delta: logprobs of held-back tokens wait for the text they belong to."""
+    detokenizer = Detokenizer(tokenizer, spec.stop)
+    pending = ChoiceDelta(spec.index, "")
+    stream = await _open_backend_stream(backend, spec)
+    try:
+        async for chunk in stream:
+            pending.text += detokenizer.add_tokens(chunk.token_ids)
+            pending.logprobs += chunk.logprobs
+            pending.num_tokens += len(chunk.token_ids)
+            pending.num_cached_tokens = max(pending.num_cached_tokens, chunk.num_cached_tokens)
+            if chunk.finish_reason is not None:
+                pending.text += detokenizer.finish()
+            if detokenizer.stopped or chunk.finish_reason is not None:
+                pending.finish_reason = "stop" if detokenizer.stopped else chunk.finish_reason
+                yield pending
+                return  # the finally closes the backend stream: a stop string aborts the request
+            if pending.text:
+                yield pending
+                pending = ChoiceDelta(spec.index, "", num_cached_tokens=pending.num_cached_tokens)
+        raise BackendError(BackendErrorKind.UNAVAILABLE, f"request {spec.request_id}: the stream ended without a finish reason")
+    finally:
+        await close_quietly(stream)
+
+
+_DONE = object()
+
+
+class ChoiceStream:
+    """The merged deltas of all choices of a response. Construct with `open`; always `aclose`."""
+
+    def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer, specs: list[ChoiceSpec]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._pump(stream_choice(backend, tokenizer, spec))) for spec in specs]
+        self._num_running = len(self._tasks)
+        self._first: ChoiceDelta | None = None
+
+    @classmethod
+    async def open(cls, backend: GenerationBackend, tokenizer: Tokenizer, specs: list[ChoiceSpec]) -> ChoiceStream:
+        """Starts every choice and waits for the first delta; raises what the backend raised first."""
+        self = cls(backend, tokenizer, specs)
+        try:
+            self._first = await self.__anext__()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def _pump(self, deltas: AsyncIterator[ChoiceDelta]) -> None:
+        try:
+            async for delta in deltas:
+                self._queue.put_nowait(delta)
+            self._queue.put_nowait(_DONE)
+        except Exception as exc:  # handed to the consumer, which raises it
+            self._queue.put_nowait(exc)
+
+    def __aiter__(self) -> ChoiceStream:
+        return self
+
+    async def __anext__(self) -> ChoiceDelta:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        while self._num_running:
+            item = await self._queue.get()
+            if item is _DONE:
+                self._num_running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                return item
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Cancels unfinished choices; each one's backend stream closes on the way out."""
+        for task in self._tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,1 @@
+"""One router module per resource: completions, chat completions, models (+ health)."""

@@ -1,0 +1,86 @@
+"""Starting and stopping pdserve's real processes for end-to-end tests (127.0.0.1 only)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from cluster.embedded_redis import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class ProcessGroup:
+    """Children started by one test module; each is stopped by its own PID."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "w")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "cluster.cli", *args], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.processes[name] = process
+        return process
+
+    def start_node(self, role: str, name: str, model: str, redis_url: str) -> subprocess.Popen:
+        return self.start(name, role, "--model", model, "--redis-url", redis_url, "--node-id", name,
+                          "--num-threads", "1", "--kv-cache-gib", "0.05")
+
+    def start_gateway(self, model: str, redis_url: str) -> str:
+        port = free_port()
+        self.start("gateway", "gateway", "--model", model, "--port", str(port), "--redis-url", redis_url)
+        return f"http://127.0.0.1:{port}"
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text()
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> int:
+        process = self.processes.pop(name)
+        process.send_signal(sig)
+        try:
+            return process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            return process.wait()
+
+    def stop_all(self) -> None:
+        for name in list(self.processes):
+            self.stop(name)
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def healthy(base_url: str) -> bool:
+    try:
+        return httpx.get(f"{base_url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def routed_counts(base_url: str, role: str) -> dict[str, float]:
+    """Requests the gateway sent to each node of a role, from its Prometheus metrics."""
+    counts = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=5, follow_redirects=True).text.splitlines():
+        if line.startswith("pdserve_gateway_routed_requests_total{") and f'role="{role}"' in line:
+            labels, value = line.rsplit(" ", 1)
+            node = labels.split('node_id="')[1].split('"')[0]
+            counts[node] = float(value)
+    return counts
