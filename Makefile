@@ -30,8 +30,7 @@ test: model
 	$(PY) -m pytest tests
 
 up: model
-	$(VENV)/bin/pdserve generate --model $(MODEL) --chat --max-tokens 64 \
-		"What is the capital of France?" "Write a haiku about the sea."
+	$(VENV)/bin/pdserve up --model $(MODEL)
 
 bench: model
 	$(VENV)/bin/pdserve bench offline --model $(MODEL)

@@ -1,0 +1,66 @@
+"""The real default model through `pdserve up` (embedded Redis, 1 prefill + 1 decode, gateway)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import openai
+import pytest
+
+from cluster.embedded_redis import free_port
+from tests.e2e.processes import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "up", "--port", str(port)],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read_output():
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("ready on http://"):
+                ready.set()
+
+    threading.Thread(target=read_output, daemon=True).start()
+    try:
+        if not ready.wait(timeout=300):
+            pytest.fail("pdserve up never printed 'ready on':\n" + "".join(lines[-40:]))
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, "".join(lines[-40:])
+
+
+def test_chat_completion_streaming_and_not(base_url):
+    api = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.usage.completion_tokens <= 24 and reply.usage.prompt_tokens > 10
+    stream = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == reply.choices[0].message.content
+
+
+def test_completion_with_a_stop_string(base_url):
+    api = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    full = api.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0)
+    assert " 7," in full.choices[0].text
+    stopped = api.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[" 7"])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == full.choices[0].text.split(" 7")[0]
