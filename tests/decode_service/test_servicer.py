@@ -1,0 +1,126 @@
+"""Decode and prefill servicers over real gRPC in one process, on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from decode_service.servicer import DecodeServicer
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine.async_engine import AsyncEngine
+from kvtransfer.base import KvReceiver
+from kvtransfer.fake import FakeKvSender
+from prefill_service.servicer import PrefillServicer
+from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from protos.convert import sampling_params_to_proto
+
+NUM_BLOCKS = 32
+
+
+def engine_for(path) -> AsyncEngine:
+    return AsyncEngine(LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(num_blocks=NUM_BLOCKS))))
+
+
+async def serve(tiny_llama_path):
+    decode_engine, prefill_engine = engine_for(tiny_llama_path), engine_for(tiny_llama_path)
+    decode_engine.start()
+    prefill_engine.start()
+    receiver = KvReceiver(decode_engine.engine.model_runner.kv_caches)
+    server = grpc.aio.server()
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(decode_engine, receiver, 5.0), server)
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(prefill_engine, FakeKvSender({"decode": receiver})), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port, decode_engine, prefill_engine
+
+
+def generate_request(rid, prompt, params, **kw):
+    return decode_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sampling_params_to_proto(params), **kw)
+
+
+async def free_blocks(async_engine: AsyncEngine) -> int:
+    return await async_engine.call(lambda engine: engine.kv_cache_manager.num_free_blocks)
+
+
+def run(tiny_llama_path, scenario):
+    async def main():
+        server, port, decode_engine, prefill_engine = await serve(tiny_llama_path)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await scenario(channel, decode_engine, prefill_engine)
+        finally:
+            await server.stop(0)
+            decode_engine.stop()
+            prefill_engine.stop()
+
+    asyncio.run(main())
+
+
+def test_prefill_then_decode_equals_the_offline_engine(tiny_llama_path):
+    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0.0)
+
+    async def scenario(channel, decode_engine, prefill_engine):
+        call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(generate_request("r", prompt, params))
+        assert (await call.read()).reserved.num_blocks == 3
+        first = await prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(
+            prefill_pb2.PrefillRequest(request_id="r", prompt_token_ids=prompt, sampling_params=sampling_params_to_proto(params), decode_address="decode")
+        )
+        tokens = [first.first_token_id]
+        while (message := await call.read()) is not grpc.aio.EOF:
+            tokens += message.chunk.token_ids
+        offline = LLMEngine(EngineConfig(model=str(tiny_llama_path), cache=CacheConfig(num_blocks=NUM_BLOCKS)))
+        assert tokens == offline.generate([prompt], params)[0].token_ids
+        assert await free_blocks(decode_engine) == NUM_BLOCKS
+        await asyncio.sleep(0.1)  # the prefill node frees its blocks once the push is done
+        assert await free_blocks(prefill_engine) == NUM_BLOCKS
+
+    run(tiny_llama_path, scenario)
+
+
+def test_pages_that_never_arrive_free_the_blocks_and_fail_unavailable(tiny_llama_path):
+    async def scenario(channel, decode_engine, _):
+        call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(
+            generate_request("late", list(range(40)), SamplingParams(max_tokens=4), kv_timeout_ms=200)
+        )
+        assert (await call.read()).reserved.num_blocks == 3
+        assert await free_blocks(decode_engine) == NUM_BLOCKS - 3
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await call.read()
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert await free_blocks(decode_engine) == NUM_BLOCKS
+
+    run(tiny_llama_path, scenario)
+
+
+def test_client_cancellation_aborts_and_frees_blocks(tiny_llama_path):
+    async def scenario(channel, decode_engine, _):
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(generate_request("c", list(range(40)), params, local_prefill=True))
+        await call.read()  # reserved
+        await call.read()  # first tokens
+        call.cancel()
+        for _ in range(50):
+            if await free_blocks(decode_engine) == NUM_BLOCKS:
+                break
+            await asyncio.sleep(0.05)
+        assert await free_blocks(decode_engine) == NUM_BLOCKS
+        assert not await decode_engine.call(lambda engine: engine.has_unfinished_requests)
+
+    run(tiny_llama_path, scenario)
+
+
+def test_full_pool_is_refused_with_resource_exhausted(tiny_llama_path):
+    async def scenario(channel, _, __):
+        call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(
+            generate_request("big", list(range(NUM_BLOCKS * 16 - 20)), SamplingParams(max_tokens=4))
+        )
+        await call.read()
+        second = decode_pb2_grpc.DecodeServiceStub(channel).Generate(generate_request("next", list(range(100)), SamplingParams(max_tokens=4)))
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await second.read()
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        call.cancel()
+
+    run(tiny_llama_path, scenario)
