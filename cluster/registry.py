@@ -189,7 +189,7 @@ class NodeRegistration:
         # Beat once before returning so the node is visible as soon as start() is done.
         await self.beat()
         self._heartbeat.start()
-        logger.info("registered node %s (%s) at %s", self.node_info.node_id, self.node_info.role, self.node_info.address)
+        logger.info("node %s (%s) at %s heartbeats every %.1f s", self.node_info.node_id, self.node_info.role, self.node_info.address, self.interval_s)
 
     async def stop(self) -> None:
         await self._heartbeat.stop()

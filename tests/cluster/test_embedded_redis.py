@@ -7,6 +7,8 @@ import redis
 
 from cluster.embedded_redis import EmbeddedRedis, free_port, redis_server_path
 
+pytestmark = pytest.mark.timeout(60)
+
 
 def pid_alive(pid: int) -> bool:
     try:
@@ -55,8 +57,10 @@ def test_stop_ends_the_process_and_removes_its_dir():
 def test_two_servers_get_separate_ports():
     with EmbeddedRedis() as first, EmbeddedRedis() as second:
         assert first.port != second.port
-        redis.Redis.from_url(first.url).set("only-in-first", 1)
-        assert redis.Redis.from_url(second.url).get("only-in-first") is None
+        with redis.Redis.from_url(first.url) as client:
+            client.set("only-in-first", 1)
+        with redis.Redis.from_url(second.url) as client:
+            assert client.get("only-in-first") is None
 
 
 def test_url_before_start_raises():

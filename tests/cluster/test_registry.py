@@ -9,6 +9,8 @@ import redis
 from cluster.embedded_redis import EmbeddedRedis
 from cluster.registry import NodeCapacity, NodeInfo, NodeLoad, NodeRegistration, RegistryView, node_key
 
+pytestmark = pytest.mark.timeout(60)
+
 FAST = {"interval_s": 0.1, "ttl_s": 1.0}
 
 
@@ -57,7 +59,8 @@ def test_registered_node_appears_with_its_load(redis_url):
         [seen] = view.nodes()
         assert (seen.node_id, seen.address, seen.load) == ("prefill-0", "127.0.0.1:50051", load)
         assert seen.incarnation == registration.node_info.incarnation
-        assert 0 < redis.Redis.from_url(redis_url).pttl(node_key("prefill-0")) <= 1000
+        with redis.Redis.from_url(redis_url) as client:
+            assert 0 < client.pttl(node_key("prefill-0")) <= 1000
         await registration.stop()
         await view.stop()
 
@@ -108,7 +111,7 @@ def test_silent_node_disappears_after_ttl(redis_url):
         registration = NodeRegistration(redis_url, make_node(), NodeLoad, **FAST)
         view = RegistryView(redis_url, ttl_s=1.0)
         await registration.start()
-        registration._task.cancel()  # the node "crashes": no more beats, no delete
+        await registration._heartbeat.stop()  # the node "crashes": no more beats, no delete
         silent_since = time.monotonic()
         await view.refresh()
         assert [n.node_id for n in view.nodes()] == ["prefill-0"]
@@ -140,7 +143,7 @@ def test_restarted_node_replaces_old_entry_and_old_stop_keeps_it(redis_url):
         new = NodeRegistration(redis_url, make_node(port=2222), NodeLoad, **FAST)
         view = RegistryView(redis_url, ttl_s=1.0)
         await old.start()
-        old._task.cancel()  # the old process died...
+        await old._heartbeat.stop()  # the old process died...
         await new.start()  # ...and came back with a new incarnation under the same node_id
         await view.refresh()
         [seen] = view.nodes()
@@ -184,7 +187,7 @@ def test_view_and_node_survive_redis_outage():
         last_beat = view.get("prefill-0").updated_at
         await wait_for(lambda v: v.nodes() == [], view)
         assert time.time() - last_beat >= 1.0 and time.time() - outage_start < 2.5
-        assert not registration._task.done() and not view._task.done()  # both loops still retrying
+        assert registration._heartbeat.running() and view._refresher.running()  # both loops still retrying
         await registration.stop()  # deregistration fails quietly; the key would expire anyway
         await view.stop()
 
