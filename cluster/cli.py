@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=1, help="number of decode nodes")
     up.add_argument("--redis-url", help="use this Redis instead of starting an embedded one")
     up.add_argument("--colocated", action="store_true", help="one node doing prefill and decode, no KV transfer")
+    up.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache memory per node")
+    up.add_argument("--max-num-seqs", type=int, default=64)
+    up.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    up.add_argument("--log-dir", help="keep each child's log here (default: a temporary folder)")
+    up.add_argument("--ready-timeout-s", type=float, default=300.0)
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
@@ -124,9 +129,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "up":
         from cluster.launcher import LaunchPlan, run_up
 
+        node_args = (
+            "--kv-cache-gib", str(args.kv_cache_gib), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        )
         plan = LaunchPlan(
             model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
-            num_decode=args.decode, redis_url=args.redis_url, colocated=args.colocated,
+            num_decode=args.decode, redis_url=args.redis_url, colocated=args.colocated, node_args=node_args,
+            log_dir=args.log_dir, ready_timeout_s=args.ready_timeout_s,
         )
         return run_up(plan)
     if args.command == "fetch-model":

@@ -102,3 +102,26 @@ def test_a_late_decode_node_is_used_and_a_dead_one_is_dropped(cluster):
     results = asyncio.run(chats(6))
     assert all(finish == "length" for _, finish in results)
     assert routed_counts(base_url, "decode").get("decode-late", 0) == before
+
+
+def test_colocated_node_serves_the_same_greedy_output(tmp_path):
+    model = str(build_tiny_chat_model(tmp_path / "model"))
+    (tmp_path / "logs").mkdir()
+    group = ProcessGroup(tmp_path / "logs")
+    with EmbeddedRedis() as embedded:
+        try:
+            group.start_node("colocated", "colocated-0", model, embedded.url)
+            base_url = group.start_gateway(model, embedded.url)
+            wait_until(lambda: num_registered(embedded.url) == 1, 120, "the colocated node to register")
+            wait_until(lambda: healthy(base_url), 60, "the gateway to be healthy")
+
+            async def chats():
+                api = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+                model_id = (await api.models.list()).data[0].id
+                return await asyncio.gather(*(stream_chat(api, model_id, q) for q in QUESTIONS[:4]))
+
+            results = asyncio.run(chats())
+            assert [text for text, _ in results] == [e["text"] for e in offline_generate(model, QUESTIONS[:4])]
+            assert routed_counts(base_url, "colocated") == {"colocated-0": 4.0}
+        finally:
+            group.stop_all()
