@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         node.add_argument("--node-id", default="")
         node.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
         node.add_argument("--kv-timeout-s", type=float, default=30.0, help="how long a decode node waits for pages")
+        node.add_argument("--kv-transport", choices=["auto", "grpc", "shm"], default="auto",
+                          help="auto: shared memory between nodes on one host, else the gRPC stream")
 
     gateway = commands.add_parser("gateway", help="run the OpenAI-compatible gateway")
     gateway.add_argument("--model", default="smollm2-135m")
@@ -93,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache memory per node")
     up.add_argument("--max-num-seqs", type=int, default=64)
     up.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    up.add_argument("--kv-transport", choices=["auto", "grpc", "shm"], default="auto")
     up.add_argument("--log-dir", help="keep each child's log here (default: a temporary folder)")
     up.add_argument("--ready-timeout-s", type=float, default=300.0)
 
@@ -131,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         node_args = (
             "--kv-cache-gib", str(args.kv_cache_gib), "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-transport", args.kv_transport,
         )
         plan = LaunchPlan(
             model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
@@ -157,6 +160,7 @@ def run_node(args: argparse.Namespace) -> int:
         device=args.device, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching, kv_timeout_s=args.kv_timeout_s,
+        kv_transport=args.kv_transport,
     )
     if args.command == "prefill":
         from prefill_service.server import run_prefill_node

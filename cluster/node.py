@@ -51,6 +51,7 @@ class NodeSettings(BaseSettings):
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     kv_timeout_s: float = 30.0
+    kv_transport: str = "auto"  # auto: shared memory between same-host nodes, else gRPC; grpc; shm
     heartbeat_s: float = 1.0
     ttl_s: float = 3.0
 

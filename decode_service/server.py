@@ -12,15 +12,27 @@ from decode_service.servicer import DecodeServicer
 from engine.async_engine import AsyncEngine
 from kvtransfer.base import KvReceiver
 from kvtransfer.grpc_transport import KvTransferServicer
+from kvtransfer.shm_transport import SharedKvCache, host_id
 from protos import decode_pb2_grpc, kv_transfer_pb2_grpc
 
 
 def add_decode_servicers(server: grpc.aio.Server, async_engine: AsyncEngine, settings: NodeSettings) -> DecodeServicer:
-    receiver = KvReceiver(async_engine.engine.model_runner.kv_caches)
-    servicer = DecodeServicer(async_engine, receiver, settings.kv_timeout_s)
+    shared = None if settings.kv_transport == "grpc" else _move_kv_cache_to_shared_memory(async_engine)
+    receiver = KvReceiver(async_engine.engine.model_runner.kv_caches, in_shared_memory=shared is not None)
+    servicer = DecodeServicer(async_engine, receiver, settings.kv_timeout_s, shared, host_id())
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
     kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server(KvTransferServicer(receiver), server)
     return servicer
+
+
+def _move_kv_cache_to_shared_memory(async_engine: AsyncEngine) -> SharedKvCache:
+    """Same-host prefill nodes then write pages straight into the reserved blocks. Done before
+    the engine serves anything, so the (empty) private cache is simply replaced."""
+    runner = async_engine.engine.model_runner
+    k = runner.kv_caches[0][0]
+    shared = SharedKvCache(len(runner.kv_caches), *k.shape, k.dtype)
+    runner.kv_caches = shared.kv_caches
+    return shared
 
 
 def run_decode_node(settings: NodeSettings, role: str = "decode") -> None:

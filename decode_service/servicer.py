@@ -38,10 +38,16 @@ def chunk_message(output: RequestOutput) -> decode_pb2.GenerateResponse:
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, async_engine: AsyncEngine, receiver: KvReceiver, kv_timeout_s: float) -> None:
+    def __init__(self, async_engine: AsyncEngine, receiver: KvReceiver, kv_timeout_s: float, shared_kv=None, host_id: str = "") -> None:
         self.async_engine = async_engine
         self.receiver = receiver
         self.kv_timeout_s = kv_timeout_s
+        self.shared_kv = shared_kv  # kvtransfer.shm_transport.SharedKvCache, when offered
+        self.host_id = host_id
+
+    async def close(self) -> None:
+        if self.shared_kv is not None:
+            self.shared_kv.unlink()
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context):
         rid = request.request_id
@@ -87,7 +93,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         if block_ids is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode node has no free KV blocks for this prompt")
         self.receiver.reserve(rid, block_ids)
-        return decode_pb2.GenerateResponse(reserved=decode_pb2.Reserved(num_blocks=len(block_ids)))
+        reserved = decode_pb2.Reserved(num_blocks=len(block_ids), block_ids=block_ids)
+        if self.shared_kv is not None:
+            reserved.shm_name, reserved.host_id, reserved.kv_layout = self.shared_kv.name, self.host_id, self.shared_kv.layout
+        return decode_pb2.GenerateResponse(reserved=reserved)
 
     async def _await_pages(self, rid, timeout_s: float, context) -> RequestOutput | None:
         try:

@@ -106,9 +106,9 @@ class ClusterBackend:
             )
         )
         try:
-            await call.read()  # `reserved`: blocks are held on the decode node
+            reserved = (await call.read()).reserved  # blocks are held on the decode node
             if prefill is not None:
-                first = await self._prefill(prefill, decode, rid, prompt, params)
+                first = await self._prefill(prefill, decode, reserved, rid, prompt, params)
                 yield first
                 if first.finish_reason is not None:
                     return
@@ -127,11 +127,18 @@ class ClusterBackend:
             for node in nodes:
                 self.router.release(node)
 
-    async def _prefill(self, prefill: NodeInfo, decode: NodeInfo, rid, prompt, params) -> GenerationChunk:
+    async def _prefill(self, prefill: NodeInfo, decode: NodeInfo, reserved, rid, prompt, params) -> GenerationChunk:
         stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(prefill.address))
         response = await stub.Prefill(
             prefill_pb2.PrefillRequest(
-                request_id=rid, prompt_token_ids=prompt, sampling_params=sampling_params_to_proto(params), decode_address=decode.address
+                request_id=rid,
+                prompt_token_ids=prompt,
+                sampling_params=sampling_params_to_proto(params),
+                decode_address=decode.address,
+                decode_block_ids=reserved.block_ids,
+                decode_shm_name=reserved.shm_name,
+                decode_host_id=reserved.host_id,
+                decode_kv_layout=reserved.kv_layout,
             )
         )
         logprobs = [logprob_from_proto(response.first_logprob)] if response.HasField("first_logprob") else []

@@ -51,6 +51,19 @@ class KvCommit:
     request_id: str
     first_token_id: int
     first_logprob: object | None = None  # engine.request.TokenLogprob
+    pages_in_shared_memory: bool = False  # the sender wrote the pages straight into our cache
+
+
+@dataclass(frozen=True)
+class KvDestination:
+    """Where a request's pages go: the decode node's address and, for a same-host
+    shared-memory transfer, its reservation (block ids, segment name, host id, layout)."""
+
+    address: str
+    block_ids: tuple[int, ...] = ()
+    shm_name: str = ""
+    host_id: str = ""
+    kv_layout: str = ""
 
 
 class TransferError(Exception):
@@ -90,8 +103,9 @@ class KvReceiver:
     Mutates the given per-layer caches (only the reserved blocks) and its reservations. Used
     from one event loop; every transport feeds it the same way."""
 
-    def __init__(self, kv_caches) -> None:
+    def __init__(self, kv_caches, in_shared_memory: bool = False) -> None:
         self.kv_caches = kv_caches
+        self.in_shared_memory = in_shared_memory  # senders on this host may write pages directly
         self.num_layers = len(kv_caches)
         sample = kv_caches[0][0]
         self.block_shape = tuple(sample.shape[1:])
@@ -125,6 +139,8 @@ class KvReceiver:
     def commit(self, commit: KvCommit) -> None:
         reservation = self._open_reservation(commit.request_id)
         expected = self.num_layers * 2 * len(reservation.block_ids)
+        if commit.pages_in_shared_memory and self.in_shared_memory and not reservation.received:
+            reservation.received = {(0, 0, i) for i in range(expected)}  # written in place by the sender
         if len(reservation.received) != expected:
             error = f"request {commit.request_id}: commit after {len(reservation.received)} of {expected} blocks"
             self.fail(commit.request_id, error)
@@ -181,5 +197,8 @@ class KvSender(ABC):
     """Pushes a request's pages to a decode node, then commits the first token."""
 
     @abstractmethod
-    async def send(self, address: str, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
+    async def send(self, destination: KvDestination, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
         """Returns when the receiver accepted every page and the commit; raises TransferError."""
+
+    async def close(self) -> None:
+        """Releases channels and mappings."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtransfer.base import KvCommit, KvReceiver, KvSender, iter_pages
+from kvtransfer.base import KvCommit, KvDestination, KvReceiver, KvSender, iter_pages
 
 
 class FakeKvSender(KvSender):
@@ -13,8 +13,8 @@ class FakeKvSender(KvSender):
         self.max_page_bytes = max_page_bytes
         self.num_pages_sent = 0
 
-    async def send(self, address: str, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
-        receiver = self.receivers[address]
+    async def send(self, destination: KvDestination, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
+        receiver = self.receivers[destination.address]
         for page in iter_pages(kv_caches, commit.request_id, block_ids, self.max_page_bytes):
             receiver.receive_page(page)
             self.num_pages_sent += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvtransfer.base import KvCommit, KvPage, KvReceiver, KvSender, TransferError, iter_pages
+from kvtransfer.base import KvCommit, KvDestination, KvPage, KvReceiver, KvSender, TransferError, iter_pages
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 from protos.convert import logprob_from_proto, logprob_to_proto
 
@@ -39,16 +39,32 @@ def page_from_proto(message: kv_transfer_pb2.KvPage) -> KvPage:
     )
 
 
+def commit_to_proto(commit: KvCommit) -> kv_transfer_pb2.PushKvRequest:
+    message = kv_transfer_pb2.KvCommit(
+        request_id=commit.request_id, first_token_id=commit.first_token_id, pages_in_shared_memory=commit.pages_in_shared_memory
+    )
+    if commit.first_logprob is not None:
+        message.first_logprob.CopyFrom(logprob_to_proto(commit.first_logprob))
+    return kv_transfer_pb2.PushKvRequest(commit=message)
+
+
 class GrpcKvSender(KvSender):
     """Keeps one channel per decode address."""
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    async def send(self, address: str, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
+    async def send(self, destination: KvDestination, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
+        await self._push(destination.address, self._messages(kv_caches, block_ids, commit))
+
+    async def commit(self, destination: KvDestination, commit: KvCommit) -> None:
+        """A stream holding only the commit (the pages travelled another way)."""
+        await self._push(destination.address, self._commit_only(commit))
+
+    async def _push(self, address: str, messages) -> None:
         stub = kv_transfer_pb2_grpc.KvTransferServiceStub(self._channel(address))
         try:
-            response = await stub.PushKv(self._messages(kv_caches, block_ids, commit))
+            response = await stub.PushKv(messages)
         except grpc.aio.AioRpcError as error:
             raise TransferError(f"push to {address} failed: {error.code().name} {error.details()}") from error
         if not response.ok:
@@ -58,10 +74,11 @@ class GrpcKvSender(KvSender):
     async def _messages(kv_caches, block_ids, commit: KvCommit):
         for page in iter_pages(kv_caches, commit.request_id, block_ids):
             yield page_to_proto(page)
-        message = kv_transfer_pb2.KvCommit(request_id=commit.request_id, first_token_id=commit.first_token_id)
-        if commit.first_logprob is not None:
-            message.first_logprob.CopyFrom(logprob_to_proto(commit.first_logprob))
-        yield kv_transfer_pb2.PushKvRequest(commit=message)
+        yield commit_to_proto(commit)
+
+    @staticmethod
+    async def _commit_only(commit: KvCommit):
+        yield commit_to_proto(commit)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -87,7 +104,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServiceServicer):
                 else:
                     c = message.commit
                     logprob = logprob_from_proto(c.first_logprob) if c.HasField("first_logprob") else None
-                    self.receiver.commit(KvCommit(c.request_id, c.first_token_id, logprob))
+                    self.receiver.commit(KvCommit(c.request_id, c.first_token_id, logprob, c.pages_in_shared_memory))
         except TransferError as error:
             return kv_transfer_pb2.PushKvResponse(ok=False, error=str(error))
         return kv_transfer_pb2.PushKvResponse(ok=True)

@@ -7,12 +7,15 @@ import grpc
 from cluster.node import NodeSettings, serve_node
 from engine.async_engine import AsyncEngine
 from kvtransfer.grpc_transport import GrpcKvSender
+from kvtransfer.shm_transport import ShmKvSender
 from prefill_service.servicer import PrefillServicer
 from protos import prefill_pb2_grpc
 
 
 def add_prefill_servicers(server: grpc.aio.Server, async_engine: AsyncEngine, settings: NodeSettings) -> PrefillServicer:
-    servicer = PrefillServicer(async_engine, GrpcKvSender())
+    # auto and shm: shared memory when the decode node shares this host, else the gRPC stream.
+    sender = GrpcKvSender() if settings.kv_transport == "grpc" else ShmKvSender(require=settings.kv_transport == "shm")
+    servicer = PrefillServicer(async_engine, sender)
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
     return servicer
 

@@ -19,7 +19,7 @@ import grpc
 
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
-from kvtransfer.base import KvCommit, KvSender, TransferError
+from kvtransfer.base import KvCommit, KvDestination, KvSender, TransferError
 from protos import prefill_pb2, prefill_pb2_grpc
 from protos.convert import logprob_to_proto, sampling_params_from_proto
 
@@ -32,6 +32,16 @@ def finish_reason_after_first_token(params: SamplingParams, eos_token_ids: tuple
     if params.max_tokens <= 1:
         return "length"
     return None
+
+
+def destination_of(request: prefill_pb2.PrefillRequest) -> KvDestination:
+    return KvDestination(
+        address=request.decode_address,
+        block_ids=tuple(request.decode_block_ids),
+        shm_name=request.decode_shm_name,
+        host_id=request.decode_host_id,
+        kv_layout=request.decode_kv_layout,
+    )
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -52,7 +62,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         logprob = output.new_logprobs[0] if output.new_logprobs else None
         reason = finish_reason_after_first_token(params, self.async_engine.engine.eos_token_ids, token_id)
         if reason is None:
-            self._start_push(rid, request.decode_address, KvCommit(rid, token_id, logprob))
+            self._start_push(rid, destination_of(request), KvCommit(rid, token_id, logprob))
         else:
             self.async_engine.submit(lambda engine: engine.release_kv(rid))
         response = prefill_pb2.PrefillResponse(
@@ -78,21 +88,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         finally:
             self.async_engine.close_stream(rid)
 
-    def _start_push(self, rid: str, address: str, commit: KvCommit) -> None:
-        task = asyncio.create_task(self._push(rid, address, commit), name=f"push-{rid}")
+    def _start_push(self, rid: str, destination: KvDestination, commit: KvCommit) -> None:
+        task = asyncio.create_task(self._push(rid, destination, commit), name=f"push-{rid}")
         self._pushes.add(task)
         task.add_done_callback(self._pushes.discard)
 
-    async def _push(self, rid: str, address: str, commit: KvCommit) -> None:
+    async def _push(self, rid: str, destination: KvDestination, commit: KvCommit) -> None:
         try:
             block_ids = await self.async_engine.call(lambda engine: engine.block_ids(rid))
-            await self.sender.send(address, self.async_engine.engine.model_runner.kv_caches, block_ids, commit)
+            await self.sender.send(destination, self.async_engine.engine.model_runner.kv_caches, block_ids, commit)
         except TransferError as error:
             self.num_push_failures += 1
-            logger.warning("KV push of %s to %s failed: %s", rid, address, error)
+            logger.warning("KV push of %s to %s failed: %s", rid, destination.address, error)
         finally:
             self.async_engine.submit(lambda engine: engine.release_kv(rid))
 
     async def close(self) -> None:
         for task in list(self._pushes):
             task.cancel()
+        await self.sender.close()

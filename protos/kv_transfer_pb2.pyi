@@ -33,14 +33,16 @@ class KvPage(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., layer: _Optional[int] = ..., kind: _Optional[_Union[KvKind, str]] = ..., block_index: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class KvCommit(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprob")
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "pages_in_shared_memory")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PAGES_IN_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprob: _common_pb2.TokenLogprob
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    pages_in_shared_memory: bool
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., pages_in_shared_memory: _Optional[bool] = ...) -> None: ...
 
 class PushKvRequest(_message.Message):
     __slots__ = ("page", "commit")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.kv_cache import allocate_kv_caches
-from kvtransfer.base import KEY, VALUE, KvCommit, KvPage, KvReceiver, TransferError, TransferStatus, iter_pages
+from kvtransfer.base import KEY, VALUE, KvCommit, KvDestination, KvPage, KvReceiver, TransferError, TransferStatus, iter_pages
 from kvtransfer.fake import FakeKvSender
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM = 2, 8, 4, 2, 8
@@ -32,7 +32,7 @@ def test_pages_land_in_the_reserved_blocks_and_commit_completes():
     source, target = caches(fill=1.0), caches()
     receiver = KvReceiver(target)
     receiver.reserve("r", [5, 2, 7])
-    asyncio.run(FakeKvSender({"decode": receiver}, max_page_bytes=300).send("decode", source, [0, 1, 3], KvCommit("r", 42)))
+    asyncio.run(FakeKvSender({"decode": receiver}, max_page_bytes=300).send(KvDestination("decode"), source, [0, 1, 3], KvCommit("r", 42)))
     assert receiver.status("r") == TransferStatus.DONE
     for (sk, sv), (tk, tv) in zip(source, target):
         assert torch.equal(tk[[5, 2, 7]], sk[[0, 1, 3]]) and torch.equal(tv[[5, 2, 7]], sv[[0, 1, 3]])

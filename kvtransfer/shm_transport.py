@@ -1,0 +1,119 @@
+"""Same-host KV transfer through shared memory: only metadata crosses gRPC.
+
+The decode node allocates its whole KV cache inside one POSIX shared-memory segment and
+names it (with its host id and cache layout) in the `reserved` answer. A prefill node on the
+same host maps that segment once and copies each page straight into the reserved blocks, one
+memcpy per layer and kind, then sends only a commit over the gRPC stream. Nodes on different
+hosts, or with a different layout, fall back to the gRPC page stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from functools import cache
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+from kvtransfer.base import KvCommit, KvDestination, KvSender, TransferError, dtype_name
+from kvtransfer.grpc_transport import GrpcKvSender
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@cache
+def host_id() -> str:
+    """Identifies this machine (and boot): equal ids mean the two nodes share /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def kv_layout(kv_caches) -> str:
+    k = kv_caches[0][0]
+    return ",".join(map(str, (len(kv_caches), *k.shape, dtype_name(k.dtype))))
+
+
+def _tensors_over(buffer, layout: str):
+    num_layers, num_blocks, block_size, heads, dim, dtype_str = layout.split(",")
+    shape = (int(num_blocks), int(block_size), int(heads), int(dim))
+    dtype = DTYPES[dtype_str]
+    count = shape[0] * shape[1] * shape[2] * shape[3]
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    caches = []
+    for layer in range(int(num_layers)):
+        k, v = (
+            torch.frombuffer(buffer, dtype=dtype, count=count, offset=(2 * layer + i) * nbytes).view(shape)
+            for i in (0, 1)
+        )
+        caches.append((k, v))
+    return caches
+
+
+class SharedKvCache:
+    """Decode side: owns the shared-memory segment holding every layer's K and V blocks."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+        self.layout = ",".join(map(str, (num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype_name(dtype))))
+        nbytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        self.segment = shared_memory.SharedMemory(create=True, size=nbytes)
+        self.kv_caches = _tensors_over(self.segment.buf, self.layout)
+        for k, v in self.kv_caches:
+            k.zero_()
+            v.zero_()
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    def unlink(self) -> None:
+        self.segment.unlink()
+
+
+class ShmKvSender(KvSender):
+    """Writes pages into a same-host decode node's shared KV cache; anything else goes over gRPC.
+    Mutates the receiver's reserved blocks (and nothing else) through the mapping."""
+
+    def __init__(self, grpc_sender: GrpcKvSender | None = None, require: bool = False) -> None:
+        self.grpc_sender = grpc_sender or GrpcKvSender()
+        self.require = require  # --kv-transport shm: refuse to fall back to the gRPC stream
+        self._mappings: dict[str, tuple[shared_memory.SharedMemory, list]] = {}
+
+    def can_share(self, destination: KvDestination, kv_caches) -> bool:
+        return bool(destination.shm_name) and destination.host_id == host_id() and destination.kv_layout == kv_layout(kv_caches)
+
+    async def send(self, destination: KvDestination, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
+        if not self.can_share(destination, kv_caches):
+            if self.require:
+                raise TransferError(f"decode node {destination.address} offers no shared-memory KV cache on this host")
+            await self.grpc_sender.send(destination, kv_caches, block_ids, commit)
+            return
+        if len(destination.block_ids) != len(block_ids):
+            raise TransferError(f"{len(block_ids)} blocks to send, {len(destination.block_ids)} reserved")
+        self.copy_pages(destination, kv_caches, block_ids)
+        await self.grpc_sender.commit(destination, KvCommit(commit.request_id, commit.first_token_id, commit.first_logprob, True))
+
+    def copy_pages(self, destination: KvDestination, kv_caches, block_ids: list[int], layers: range | None = None) -> None:
+        target = self._attach(destination)
+        source_index = torch.tensor(block_ids, dtype=torch.long)
+        target_index = torch.tensor(destination.block_ids, dtype=torch.long)
+        for layer in layers if layers is not None else range(len(kv_caches)):
+            for kind in (0, 1):
+                target[layer][kind].index_copy_(0, target_index, kv_caches[layer][kind].index_select(0, source_index))
+
+    def _attach(self, destination: KvDestination):
+        if destination.shm_name not in self._mappings:
+            segment = shared_memory.SharedMemory(name=destination.shm_name)
+            # The decode node owns the segment: this process must not unlink it at exit.
+            resource_tracker.unregister(segment._name, "shared_memory")
+            self._mappings[destination.shm_name] = (segment, _tensors_over(segment.buf, destination.kv_layout))
+        return self._mappings[destination.shm_name][1]
+
+    async def close(self) -> None:
+        await self.grpc_sender.close()
