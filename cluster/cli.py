@@ -3,6 +3,8 @@
     pdserve generate --model M --max-tokens N [sampling flags] [--chat] (PROMPT ... | --prompts-file F)
     pdserve fetch-model --model M
     pdserve bench offline [--model M] [--concurrency 1,8,32] ...
+    pdserve bench serve [--base-url URL] [--workload W] [--concurrency 1,8,32 | --request-rate R] ...
+    pdserve bench compare [--model M] [--output FILE]
     pdserve prefill | decode | colocated --model M --host H --port P --redis-url URL [--node-id ID]
     pdserve gateway --model M --host H --port P --redis-url URL
     pdserve up [--model M] [--host H] [--port P] [--prefill N] [--decode M] [--redis-url URL] [--colocated]
@@ -16,6 +18,13 @@ import sys
 from collections.abc import Sequence
 
 from cluster.log_setup import setup_logging
+
+BENCH_KIND_TO_MODULE = {
+    "offline": "bench.offline",
+    "serve": "bench.serving",
+    "compare": "bench.compare",
+    "transfer": "bench.transfer",
+}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,17 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
     bench_kinds.add_parser("offline", help="engine throughput against transformers peers", add_help=False)
+    bench_kinds.add_parser("serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput", add_help=False)
+    bench_kinds.add_parser("compare", help="pdserve clusters and transformers peers side by side", add_help=False)
+    bench_kinds.add_parser("transfer", help="KV transfer bandwidth: gRPC, shared memory, memcpy", add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if argv[:2] == ["bench", "offline"]:
-        from bench.offline import main as bench_offline
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCH_KIND_TO_MODULE:
+        import importlib
 
+        # Each benchmark parses its own flags.
+        bench_main = importlib.import_module(BENCH_KIND_TO_MODULE[argv[1]]).main
         setup_logging()
-        bench_offline(argv[2:])
+        bench_main(argv[2:])
         return 0
     args = parser.parse_args(argv)
     setup_logging(args.log_level)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -74,6 +75,24 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def contiguous_runs(source_ids, target_ids) -> list[tuple[int, int, int]]:
+    """(source start, target start, length) of runs where both id lists count up by one, so a
+    run is copied as one slice (a memcpy) instead of gathered block by block."""
+    runs: list[tuple[int, int, int]] = []
+    for s, t in zip(source_ids, target_ids):
+        if runs and s == runs[-1][0] + runs[-1][2] and t == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, t, 1))
+    return runs
+
+
+def copy_blocks(source: torch.Tensor, target: torch.Tensor, source_ids, target_ids) -> None:
+    """target[target_ids] = source[source_ids], one slice copy per contiguous run."""
+    for s, t, n in contiguous_runs(source_ids, target_ids):
+        target[t : t + n].copy_(source[s : s + n])
+
+
 def iter_pages(kv_caches, request_id: str, block_ids: list[int], max_bytes: int = MAX_MESSAGE_BYTES) -> Iterator[KvPage]:
     """Reads a request's blocks layer by layer, K then V, in messages of at most max_bytes."""
     block_bytes = kv_caches[0][0][0].numel() * kv_caches[0][0].element_size()
@@ -129,8 +148,10 @@ class KvReceiver:
             self.fail(page.request_id, error)
             raise TransferError(error)
         target = reservation.block_ids[page.block_index : page.block_index + page.num_blocks]
-        data = torch.frombuffer(bytearray(page.data), dtype=self.dtype).view(page.num_blocks, *self.block_shape)
-        self.kv_caches[page.layer][page.kind][torch.tensor(target, dtype=torch.long)] = data
+        with warnings.catch_warnings():  # frombuffer warns on read-only bytes; we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(page.data, dtype=self.dtype).view(page.num_blocks, *self.block_shape)
+        copy_blocks(data, self.kv_caches[page.layer][page.kind], range(page.num_blocks), target)
         for i in range(page.block_index, page.block_index + page.num_blocks):
             reservation.received.add((page.layer, page.kind, i))
         reservation.status = TransferStatus.TRANSFERRING

@@ -16,6 +16,9 @@ from protos.convert import logprob_from_proto, logprob_to_proto
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 8 << 20),
     ("grpc.max_receive_message_length", 8 << 20),
+    # Page streams are bulk data: larger HTTP/2 frames and flow-control windows cut per-frame work.
+    ("grpc.http2.max_frame_size", 16 << 20 - 1),
+    ("grpc.http2.bdp_probe", 1),
 ]
 
 

@@ -16,7 +16,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from kvtransfer.base import KvCommit, KvDestination, KvSender, TransferError, dtype_name
+from kvtransfer.base import KvCommit, KvDestination, KvSender, TransferError, copy_blocks, dtype_name
 from kvtransfer.grpc_transport import GrpcKvSender
 
 logger = logging.getLogger(__name__)
@@ -101,11 +101,9 @@ class ShmKvSender(KvSender):
 
     def copy_pages(self, destination: KvDestination, kv_caches, block_ids: list[int], layers: range | None = None) -> None:
         target = self._attach(destination)
-        source_index = torch.tensor(block_ids, dtype=torch.long)
-        target_index = torch.tensor(destination.block_ids, dtype=torch.long)
         for layer in layers if layers is not None else range(len(kv_caches)):
             for kind in (0, 1):
-                target[layer][kind].index_copy_(0, target_index, kv_caches[layer][kind].index_select(0, source_index))
+                copy_blocks(kv_caches[layer][kind], target[layer][kind], block_ids, destination.block_ids)
 
     def _attach(self, destination: KvDestination):
         if destination.shm_name not in self._mappings:
