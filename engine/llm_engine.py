@@ -48,6 +48,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self._request_counter = itertools.count()
+        # Prefill node: called (on the engine thread) with (layer, [(request, block_ids)]) for
+        # held requests whose prompt completes this step, as soon as that layer is computed.
+        self.on_layer_computed = None
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, hold_kv: bool = False
@@ -117,7 +120,7 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        samples = self.model_runner.execute(scheduler_output.scheduled)
+        samples = self.model_runner.execute(scheduler_output.scheduled, self._layer_hook(scheduler_output.scheduled))
         outputs = []
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
@@ -131,6 +134,14 @@ class LLMEngine:
                 self.model_runner.release(request.request_id)
             outputs.append(_step_output(request, token_id, logprob))
         return outputs
+
+    def _layer_hook(self, scheduled):
+        if self.on_layer_computed is None:
+            return None
+        completing = [(s.request, s.block_ids) for s in scheduled if s.completes_sequence and s.request.hold_kv]
+        if not completing:
+            return None
+        return lambda layer: self.on_layer_computed(layer, completing)
 
     def generate(
         self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams]

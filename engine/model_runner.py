@@ -74,8 +74,9 @@ class ModelRunner:
         return max(1, memory_bytes // per_block)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> dict[str, tuple[int, TokenLogprob | None]]:
-        """Runs the step; returns request id -> (next token, its logprob) for sequences that completed."""
+    def execute(self, scheduled: list[ScheduledRequest], after_layer=None) -> dict[str, tuple[int, TokenLogprob | None]]:
+        """Runs the step; returns request id -> (next token, its logprob) for sequences that completed.
+        `after_layer(i)` is called as soon as layer i's K/V are written."""
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
         input_ids, positions, slots, logits_index, sampled = self._flatten(ordered)
         layout = BatchLayout(
@@ -88,7 +89,8 @@ class ModelRunner:
         )
         metadata = self.model.layers[0].self_attn.backend.prepare(layout)
         hidden = self.model(
-            torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), self.kv_caches, metadata
+            torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), self.kv_caches, metadata,
+            after_layer,
         )
         if not sampled:
             return {}

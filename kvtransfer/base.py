@@ -93,13 +93,15 @@ def copy_blocks(source: torch.Tensor, target: torch.Tensor, source_ids, target_i
         target[t : t + n].copy_(source[s : s + n])
 
 
-def iter_pages(kv_caches, request_id: str, block_ids: list[int], max_bytes: int = MAX_MESSAGE_BYTES) -> Iterator[KvPage]:
+def iter_pages(
+    kv_caches, request_id: str, block_ids: list[int], max_bytes: int = MAX_MESSAGE_BYTES, layers: range | None = None
+) -> Iterator[KvPage]:
     """Reads a request's blocks layer by layer, K then V, in messages of at most max_bytes."""
     block_bytes = kv_caches[0][0][0].numel() * kv_caches[0][0].element_size()
     per_page = max(1, (max_bytes - 1024) // block_bytes)  # leave room for the header fields
     index = torch.tensor(block_ids, dtype=torch.long)
-    for layer, caches in enumerate(kv_caches):
-        for kind, cache in ((KEY, caches[0]), (VALUE, caches[1])):
+    for layer in layers if layers is not None else range(len(kv_caches)):
+        for kind, cache in ((KEY, kv_caches[layer][0]), (VALUE, kv_caches[layer][1])):
             for start in range(0, len(block_ids), per_page):
                 blocks = cache.index_select(0, index[start : start + per_page])
                 data = blocks.view(torch.uint8).numpy().tobytes()
@@ -214,8 +216,31 @@ class KvReceiver:
         return ""
 
 
+class KvStream(ABC):
+    """One request's layer-wise push: pages go out as each layer is computed, then the commit.
+
+    `send_layer` runs on the engine thread between two layers (it must only copy and hand
+    off); `commit` and `cancel` run on the event loop."""
+
+    @abstractmethod
+    def send_layer(self, layer: int, block_ids: list[int]) -> None:
+        """Ships this layer's pages of the request's blocks (computed and final)."""
+
+    @abstractmethod
+    async def commit(self, commit: KvCommit) -> None:
+        """Ends the stream once every layer was sent; raises TransferError."""
+
+    @abstractmethod
+    def cancel(self) -> None:
+        """Drops the stream (the request ended before its pages were needed)."""
+
+
 class KvSender(ABC):
     """Pushes a request's pages to a decode node, then commits the first token."""
+
+    @abstractmethod
+    def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> KvStream:
+        """A layer-wise push, opened before the prefill forward pass runs (on the event loop)."""
 
     @abstractmethod
     async def send(self, destination: KvDestination, kv_caches, block_ids: list[int], commit: KvCommit) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvtransfer.base import KvCommit, KvDestination, KvReceiver, KvSender, iter_pages
+import asyncio
+
+from kvtransfer.base import KvCommit, KvDestination, KvReceiver, KvSender, KvStream, iter_pages
 
 
 class FakeKvSender(KvSender):
@@ -19,3 +21,32 @@ class FakeKvSender(KvSender):
             receiver.receive_page(page)
             self.num_pages_sent += 1
         receiver.commit(commit)
+
+    def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> FakeKvStream:
+        return FakeKvStream(self, self.receivers[destination.address], kv_caches, request_id)
+
+
+class FakeKvStream(KvStream):
+    """Hands each layer's pages to the receiver on the event loop (receivers are not thread-safe)."""
+
+    def __init__(self, sender: FakeKvSender, receiver: KvReceiver, kv_caches, request_id: str) -> None:
+        self.sender, self.receiver, self.kv_caches, self.request_id = sender, receiver, kv_caches, request_id
+        self.loop = asyncio.get_running_loop()
+        self.layers_sent: list[int] = []
+
+    def send_layer(self, layer: int, block_ids: list[int]) -> None:
+        pages = list(iter_pages(self.kv_caches, self.request_id, block_ids, self.sender.max_page_bytes, range(layer, layer + 1)))
+        self.layers_sent.append(layer)
+        self.loop.call_soon_threadsafe(self._deliver, pages)
+
+    def _deliver(self, pages) -> None:
+        for page in pages:
+            self.receiver.receive_page(page)
+            self.sender.num_pages_sent += 1
+
+    async def commit(self, commit: KvCommit) -> None:
+        await asyncio.sleep(0)  # let queued pages land first
+        self.receiver.commit(commit)
+
+    def cancel(self) -> None:
+        pass

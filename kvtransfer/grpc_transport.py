@@ -7,9 +7,11 @@ message to its KvReceiver and answers once, with ok or the first error.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
-from kvtransfer.base import KvCommit, KvDestination, KvPage, KvReceiver, KvSender, TransferError, iter_pages
+from kvtransfer.base import KvCommit, KvDestination, KvPage, KvReceiver, KvSender, KvStream, TransferError, iter_pages
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 from protos.convert import logprob_from_proto, logprob_to_proto
 
@@ -60,6 +62,9 @@ class GrpcKvSender(KvSender):
     async def send(self, destination: KvDestination, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
         await self._push(destination.address, self._messages(kv_caches, block_ids, commit))
 
+    def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> GrpcKvStream:
+        return GrpcKvStream(self, destination, kv_caches, request_id)
+
     async def commit(self, destination: KvDestination, commit: KvCommit) -> None:
         """A stream holding only the commit (the pages travelled another way)."""
         await self._push(destination.address, self._commit_only(commit))
@@ -91,6 +96,36 @@ class GrpcKvSender(KvSender):
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
+
+
+class GrpcKvStream(KvStream):
+    """The PushKv call starts at once; pages join its queue as the engine finishes each layer,
+    so their transfer overlaps the rest of the forward pass."""
+
+    def __init__(self, sender: GrpcKvSender, destination: KvDestination, kv_caches, request_id: str) -> None:
+        self.kv_caches = kv_caches
+        self.request_id = request_id
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.call = asyncio.create_task(sender._push(destination.address, self._messages()))
+
+    def send_layer(self, layer: int, block_ids: list[int]) -> None:
+        pages = [page_to_proto(p) for p in iter_pages(self.kv_caches, self.request_id, block_ids, layers=range(layer, layer + 1))]
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, pages)
+
+    async def commit(self, commit: KvCommit) -> None:
+        self.queue.put_nowait([commit_to_proto(commit)])
+        await self.call
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+    async def _messages(self):
+        while True:
+            for message in await self.queue.get():
+                yield message
+                if message.HasField("commit"):
+                    return
 
 
 class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServiceServicer):

@@ -16,12 +16,13 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from kvtransfer.base import KvCommit, KvDestination, KvSender, TransferError, copy_blocks, dtype_name
+from kvtransfer.base import KvCommit, KvDestination, KvSender, KvStream, TransferError, copy_blocks, dtype_name
 from kvtransfer.grpc_transport import GrpcKvSender
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CREATED_HERE: set[str] = set()  # segments this process owns (and its resource tracker unlinks)
 
 
 @cache
@@ -63,6 +64,7 @@ class SharedKvCache:
         self.layout = ",".join(map(str, (num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype_name(dtype))))
         nbytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         self.segment = shared_memory.SharedMemory(create=True, size=nbytes)
+        _CREATED_HERE.add(self.segment.name)
         self.kv_caches = _tensors_over(self.segment.buf, self.layout)
         for k, v in self.kv_caches:
             k.zero_()
@@ -99,6 +101,13 @@ class ShmKvSender(KvSender):
         self.copy_pages(destination, kv_caches, block_ids)
         await self.grpc_sender.commit(destination, KvCommit(commit.request_id, commit.first_token_id, commit.first_logprob, True))
 
+    def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> KvStream:
+        if self.can_share(destination, kv_caches):
+            return ShmKvStream(self, destination, kv_caches)
+        if self.require:
+            raise TransferError(f"decode node {destination.address} offers no shared-memory KV cache on this host")
+        return self.grpc_sender.open_stream(destination, kv_caches, request_id)
+
     def copy_pages(self, destination: KvDestination, kv_caches, block_ids: list[int], layers: range | None = None) -> None:
         target = self._attach(destination)
         for layer in layers if layers is not None else range(len(kv_caches)):
@@ -106,12 +115,34 @@ class ShmKvSender(KvSender):
                 copy_blocks(kv_caches[layer][kind], target[layer][kind], block_ids, destination.block_ids)
 
     def _attach(self, destination: KvDestination):
+        """Maps the decode node's segment (once per segment; cheap afterwards)."""
         if destination.shm_name not in self._mappings:
             segment = shared_memory.SharedMemory(name=destination.shm_name)
-            # The decode node owns the segment: this process must not unlink it at exit.
-            resource_tracker.unregister(segment._name, "shared_memory")
+            if destination.shm_name not in _CREATED_HERE:
+                # The decode node owns the segment: this process must not unlink it at exit.
+                resource_tracker.unregister(segment._name, "shared_memory")
             self._mappings[destination.shm_name] = (segment, _tensors_over(segment.buf, destination.kv_layout))
         return self._mappings[destination.shm_name][1]
 
     async def close(self) -> None:
         await self.grpc_sender.close()
+
+
+class ShmKvStream(KvStream):
+    """Each layer's pages are copied into the decode node's blocks as soon as it is computed."""
+
+    def __init__(self, sender: ShmKvSender, destination: KvDestination, kv_caches) -> None:
+        self.sender = sender
+        self.destination = destination
+        self.kv_caches = kv_caches
+        sender._attach(destination)  # map on the event loop, not between two layers
+
+    def send_layer(self, layer: int, block_ids: list[int]) -> None:
+        self.sender.copy_pages(self.destination, self.kv_caches, block_ids, layers=range(layer, layer + 1))
+
+    async def commit(self, commit: KvCommit) -> None:
+        shared_commit = KvCommit(commit.request_id, commit.first_token_id, commit.first_logprob, True)
+        await self.sender.grpc_sender.commit(self.destination, shared_commit)
+
+    def cancel(self) -> None:
+        pass  # nothing in flight: the decode node frees its reservation when the gateway cancels

@@ -1,11 +1,15 @@
 """The prefill node's gRPC servicer.
 
 Lifecycle of one Prefill call:
-  1. the prompt joins the engine with max_tokens=1 and its KV blocks held after it finishes
-     (the scheduler batches it with other prompts; chunked prefill applies);
-  2. the first token is sampled here and returned to the gateway at once;
-  3. unless that token already ends the request, a background task pushes the pages to the
-     decode node and commits the first token there; the blocks are freed when the push is
+  1. open a layer-wise KV stream to the decode node (shared memory on the same host, else a
+     gRPC page stream);
+  2. the prompt joins the engine with max_tokens=1 and its KV blocks held after it finishes
+     (the scheduler batches it with other prompts; chunked prefill applies); in the step that
+     completes the prompt, each layer's pages are handed to the stream as soon as that layer
+     is computed, so the transfer overlaps the rest of the forward pass;
+  3. the first token is sampled here and returned to the gateway at once;
+  4. unless that token already ends the request (then the stream is dropped), a background
+     task commits the first token on the stream; the blocks are freed when the commit is
      done or failed.
 """
 
@@ -19,7 +23,7 @@ import grpc
 
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
-from kvtransfer.base import KvCommit, KvDestination, KvSender, TransferError
+from kvtransfer.base import KvCommit, KvDestination, KvSender, KvStream, TransferError
 from protos import prefill_pb2, prefill_pb2_grpc
 from protos.convert import logprob_to_proto, sampling_params_from_proto
 
@@ -48,8 +52,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, async_engine: AsyncEngine, sender: KvSender) -> None:
         self.async_engine = async_engine
         self.sender = sender
-        self._pushes: set[asyncio.Task] = set()
+        self.kv_caches = async_engine.engine.model_runner.kv_caches
+        self.streams: dict[str, KvStream] = {}  # read by the engine thread between layers
+        self._commits: set[asyncio.Task] = set()
         self.num_push_failures = 0
+        async_engine.engine.on_layer_computed = self._on_layer_computed
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         rid = request.request_id
@@ -57,13 +64,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        output = await self._first_token(rid, list(request.prompt_token_ids), params, context)
+        try:
+            self.streams[rid] = self.sender.open_stream(destination_of(request), self.kv_caches, rid)
+        except TransferError as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        try:
+            output = await self._first_token(rid, list(request.prompt_token_ids), params, context)
+        except BaseException:
+            self.streams.pop(rid).cancel()
+            raise
         token_id = output.new_token_ids[0]
         logprob = output.new_logprobs[0] if output.new_logprobs else None
         reason = finish_reason_after_first_token(params, self.async_engine.engine.eos_token_ids, token_id)
         if reason is None:
-            self._start_push(rid, destination_of(request), KvCommit(rid, token_id, logprob))
+            self._start_commit(rid, KvCommit(rid, token_id, logprob))
         else:
+            self.streams.pop(rid).cancel()
             self.async_engine.submit(lambda engine: engine.release_kv(rid))
         response = prefill_pb2.PrefillResponse(
             first_token_id=token_id, finished=reason is not None, finish_reason=reason or "", num_cached_tokens=output.num_cached_tokens
@@ -71,6 +87,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if logprob is not None:
             response.first_logprob.CopyFrom(logprob_to_proto(logprob))
         return response
+
+    def _on_layer_computed(self, layer: int, completing) -> None:
+        """Engine thread, between two layers: hand this layer's pages to each request's stream."""
+        for request, block_ids in completing:
+            stream = self.streams.get(request.request_id)
+            if stream is None:
+                continue
+            try:
+                stream.send_layer(layer, block_ids)
+            except Exception:  # a broken transfer must not break the batch: its commit will fail
+                logger.exception("sending layer %d of %s failed", layer, request.request_id)
 
     async def _first_token(self, rid: str, prompt: list[int], params: SamplingParams, context):
         stream = self.async_engine.open_stream(rid)
@@ -88,22 +115,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         finally:
             self.async_engine.close_stream(rid)
 
-    def _start_push(self, rid: str, destination: KvDestination, commit: KvCommit) -> None:
-        task = asyncio.create_task(self._push(rid, destination, commit), name=f"push-{rid}")
-        self._pushes.add(task)
-        task.add_done_callback(self._pushes.discard)
+    def _start_commit(self, rid: str, commit: KvCommit) -> None:
+        task = asyncio.create_task(self._commit(rid, commit), name=f"commit-{rid}")
+        self._commits.add(task)
+        task.add_done_callback(self._commits.discard)
 
-    async def _push(self, rid: str, destination: KvDestination, commit: KvCommit) -> None:
+    async def _commit(self, rid: str, commit: KvCommit) -> None:
         try:
-            block_ids = await self.async_engine.call(lambda engine: engine.block_ids(rid))
-            await self.sender.send(destination, self.async_engine.engine.model_runner.kv_caches, block_ids, commit)
-        except TransferError as error:
+            await self.streams[rid].commit(commit)
+        except (TransferError, asyncio.CancelledError) as error:
             self.num_push_failures += 1
-            logger.warning("KV push of %s to %s failed: %s", rid, destination.address, error)
+            logger.warning("KV transfer of %s failed: %s", rid, error)
         finally:
+            self.streams.pop(rid, None)
             self.async_engine.submit(lambda engine: engine.release_kv(rid))
 
     async def close(self) -> None:
-        for task in list(self._pushes):
+        for task in list(self._commits):
             task.cancel()
         await self.sender.close()

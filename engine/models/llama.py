@@ -102,13 +102,16 @@ class LlamaModel(nn.Module):
         self.register_buffer("cos_table", cos, persistent=False)
         self.register_buffer("sin_table", sin, persistent=False)
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
-        """Hidden states of every token: [num_tokens, hidden_size]."""
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, after_layer=None) -> torch.Tensor:
+        """Hidden states of every token: [num_tokens, hidden_size]. `after_layer(i)` runs once
+        layer i's K/V are in the cache (a prefill node pushes them while later layers run)."""
         cos = self.cos_table[positions].unsqueeze(1)
         sin = self.sin_table[positions].unsqueeze(1)
         x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin, kv_cache, attn_metadata)
+            if after_layer is not None:
+                after_layer(index)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,9 @@ async def serve(tiny_llama_path):
     receiver = KvReceiver(decode_engine.engine.model_runner.kv_caches)
     server = grpc.aio.server()
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(decode_engine, receiver, 5.0), server)
-    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(prefill_engine, FakeKvSender({"decode": receiver})), server)
+    sender = FakeKvSender({"decode": receiver})
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(prefill_engine, sender), server)
+    prefill_engine.sender = sender  # for assertions
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, port, decode_engine, prefill_engine
@@ -81,6 +83,8 @@ def test_prefill_then_decode_equals_the_offline_engine(tiny_llama_path):
             tokens += message.chunk.token_ids
         offline = LLMEngine(EngineConfig(model=str(tiny_llama_path), cache=CacheConfig(num_blocks=NUM_BLOCKS)))
         assert tokens == offline.generate([prompt], params)[0].token_ids
+        # Layer-wise: 2 layers x K/V x one page each, sent between layers of the forward pass.
+        assert prefill_engine.sender.num_pages_sent == 4
         assert await all_blocks_freed(decode_engine)
         assert await all_blocks_freed(prefill_engine)  # once the push is done
 

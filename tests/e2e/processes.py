@@ -32,9 +32,9 @@ class ProcessGroup:
         self.processes[name] = process
         return process
 
-    def start_node(self, role: str, name: str, model: str, redis_url: str) -> subprocess.Popen:
+    def start_node(self, role: str, name: str, model: str, redis_url: str, *extra: str) -> subprocess.Popen:
         return self.start(name, role, "--model", model, "--redis-url", redis_url, "--node-id", name,
-                          "--num-threads", "1", "--kv-cache-gib", "0.05")
+                          "--num-threads", "1", "--kv-cache-gib", "0.05", *extra)
 
     def start_gateway(self, model: str, redis_url: str) -> str:
         port = free_port()

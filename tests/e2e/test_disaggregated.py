@@ -104,15 +104,24 @@ def test_a_late_decode_node_is_used_and_a_dead_one_is_dropped(cluster):
     assert routed_counts(base_url, "decode").get("decode-late", 0) == before
 
 
-def test_colocated_node_serves_the_same_greedy_output(tmp_path):
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        [("colocated", "colocated-0")],
+        [("prefill", "prefill-0", "--kv-transport", "grpc"), ("decode", "decode-0", "--kv-transport", "grpc")],
+    ],
+    ids=["colocated", "grpc-page-stream"],
+)
+def test_other_topologies_serve_the_same_greedy_output(tmp_path, nodes):
     model = str(build_tiny_chat_model(tmp_path / "model"))
     (tmp_path / "logs").mkdir()
     group = ProcessGroup(tmp_path / "logs")
     with EmbeddedRedis() as embedded:
         try:
-            group.start_node("colocated", "colocated-0", model, embedded.url)
+            for role, name, *extra in nodes:
+                group.start_node(role, name, model, embedded.url, *extra)
             base_url = group.start_gateway(model, embedded.url)
-            wait_until(lambda: num_registered(embedded.url) == 1, 120, "the colocated node to register")
+            wait_until(lambda: num_registered(embedded.url) == len(nodes), 120, "the nodes to register")
             wait_until(lambda: healthy(base_url), 60, "the gateway to be healthy")
 
             async def chats():
@@ -122,6 +131,7 @@ def test_colocated_node_serves_the_same_greedy_output(tmp_path):
 
             results = asyncio.run(chats())
             assert [text for text, _ in results] == [e["text"] for e in offline_generate(model, QUESTIONS[:4])]
-            assert routed_counts(base_url, "colocated") == {"colocated-0": 4.0}
+            role, name = nodes[-1][:2]
+            assert routed_counts(base_url, role) == {name: 4.0}
         finally:
             group.stop_all()
