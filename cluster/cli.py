@@ -24,6 +24,7 @@ BENCH_KIND_TO_MODULE = {
     "serve": "bench.serving",
     "compare": "bench.compare",
     "transfer": "bench.transfer",
+    "interference": "bench.interference",
 }
 
 
@@ -114,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kinds.add_parser("serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput", add_help=False)
     bench_kinds.add_parser("compare", help="pdserve clusters and transformers peers side by side", add_help=False)
     bench_kinds.add_parser("transfer", help="KV transfer bandwidth: gRPC, shared memory, memcpy", add_help=False)
+    bench_kinds.add_parser("interference", help="decode ITL under long prompts; TTFT: disaggregated vs colocated", add_help=False)
     return parser
 
 
