@@ -3,6 +3,9 @@
 Layout per layer: K and V each [num_blocks, block_size, num_kv_heads, head_dim]; token t of a
 sequence lives at slot block_table[t // block_size] * block_size + t % block_size of the
 flattened [num_blocks * block_size, num_kv_heads, head_dim] view.
+
+All layers live in one tensor [num_layers, 2 (K, V), num_blocks, ...] and the per-layer K/V
+are views of it, so a run of blocks can be copied for every layer at once (`stacked_view`).
 """
 
 from __future__ import annotations
@@ -17,8 +20,27 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 def allocate_kv_caches(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
+    stacked = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    return kv_caches_over(stacked)
+
+
+def kv_caches_over(stacked: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V) views of a [num_layers, 2, num_blocks, ...] tensor."""
+    return [(stacked[layer, 0], stacked[layer, 1]) for layer in range(stacked.shape[0])]
+
+
+def stacked_view(kv_caches) -> torch.Tensor | None:
+    """The [num_layers, 2, num_blocks, ...] tensor the per-layer caches are views of, or None
+    if they are separate allocations."""
+    k0 = kv_caches[0][0]
+    layer_stride = kv_caches[1][0].data_ptr() - k0.data_ptr() if len(kv_caches) > 1 else 2 * k0.numel() * k0.element_size()
+    kind_stride = kv_caches[0][1].data_ptr() - k0.data_ptr()
+    size = k0.element_size()
+    for layer, (k, v) in enumerate(kv_caches):
+        if k.data_ptr() != k0.data_ptr() + layer * layer_stride or v.data_ptr() != k.data_ptr() + kind_stride:
+            return None
+    if layer_stride % size or kind_stride % size or not k0.is_contiguous():
+        return None
+    shape = (len(kv_caches), 2, *k0.shape)
+    strides = (layer_stride // size, kind_stride // size, *k0.stride())
+    return torch.as_strided(k0, shape, strides)

@@ -53,6 +53,11 @@ def commit_to_proto(commit: KvCommit) -> kv_transfer_pb2.PushKvRequest:
     return kv_transfer_pb2.PushKvRequest(commit=message)
 
 
+def commit_from_proto(c: kv_transfer_pb2.KvCommit) -> KvCommit:
+    logprob = logprob_from_proto(c.first_logprob) if c.HasField("first_logprob") else None
+    return KvCommit(c.request_id, c.first_token_id, logprob, c.pages_in_shared_memory)
+
+
 class GrpcKvSender(KvSender):
     """Keeps one channel per decode address."""
 
@@ -66,8 +71,14 @@ class GrpcKvSender(KvSender):
         return GrpcKvStream(self, destination, kv_caches, request_id)
 
     async def commit(self, destination: KvDestination, commit: KvCommit) -> None:
-        """A stream holding only the commit (the pages travelled another way)."""
-        await self._push(destination.address, self._commit_only(commit))
+        """The commit alone, in one unary call (the pages travelled another way)."""
+        stub = kv_transfer_pb2_grpc.KvTransferServiceStub(self._channel(destination.address))
+        try:
+            response = await stub.CommitKv(commit_to_proto(commit).commit)
+        except grpc.aio.AioRpcError as error:
+            raise TransferError(f"commit to {destination.address} failed: {error.code().name} {error.details()}") from error
+        if not response.ok:
+            raise TransferError(response.error)
 
     async def _push(self, address: str, messages) -> None:
         stub = kv_transfer_pb2_grpc.KvTransferServiceStub(self._channel(address))
@@ -84,9 +95,6 @@ class GrpcKvSender(KvSender):
             yield page_to_proto(page)
         yield commit_to_proto(commit)
 
-    @staticmethod
-    async def _commit_only(commit: KvCommit):
-        yield commit_to_proto(commit)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -140,9 +148,14 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServiceServicer):
                 if message.HasField("page"):
                     self.receiver.receive_page(page_from_proto(message.page))
                 else:
-                    c = message.commit
-                    logprob = logprob_from_proto(c.first_logprob) if c.HasField("first_logprob") else None
-                    self.receiver.commit(KvCommit(c.request_id, c.first_token_id, logprob, c.pages_in_shared_memory))
+                    self.receiver.commit(commit_from_proto(message.commit))
+        except TransferError as error:
+            return kv_transfer_pb2.PushKvResponse(ok=False, error=str(error))
+        return kv_transfer_pb2.PushKvResponse(ok=True)
+
+    async def CommitKv(self, request: kv_transfer_pb2.KvCommit, context) -> kv_transfer_pb2.PushKvResponse:
+        try:
+            self.receiver.commit(commit_from_proto(request))
         except TransferError as error:
             return kv_transfer_pb2.PushKvResponse(ok=False, error=str(error))
         return kv_transfer_pb2.PushKvResponse(ok=True)

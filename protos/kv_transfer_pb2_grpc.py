@@ -39,6 +39,11 @@ class KvTransferServiceStub:
                 request_serializer=protos_dot_kv__transfer__pb2.PushKvRequest.SerializeToString,
                 response_deserializer=protos_dot_kv__transfer__pb2.PushKvResponse.FromString,
                 _registered_method=True)
+        self.CommitKv = channel.unary_unary(
+                '/pdserve.v1.KvTransferService/CommitKv',
+                request_serializer=protos_dot_kv__transfer__pb2.KvCommit.SerializeToString,
+                response_deserializer=protos_dot_kv__transfer__pb2.PushKvResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServiceServicer:
@@ -50,12 +55,24 @@ class KvTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitKv(self, request, context):
+        """The pages travelled another way (shared memory): one round trip for the commit alone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'PushKv': grpc.stream_unary_rpc_method_handler(
                     servicer.PushKv,
                     request_deserializer=protos_dot_kv__transfer__pb2.PushKvRequest.FromString,
+                    response_serializer=protos_dot_kv__transfer__pb2.PushKvResponse.SerializeToString,
+            ),
+            'CommitKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitKv,
+                    request_deserializer=protos_dot_kv__transfer__pb2.KvCommit.FromString,
                     response_serializer=protos_dot_kv__transfer__pb2.PushKvResponse.SerializeToString,
             ),
     }
@@ -85,6 +102,33 @@ class KvTransferService:
             target,
             '/pdserve.v1.KvTransferService/PushKv',
             protos_dot_kv__transfer__pb2.PushKvRequest.SerializeToString,
+            protos_dot_kv__transfer__pb2.PushKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KvTransferService/CommitKv',
+            protos_dot_kv__transfer__pb2.KvCommit.SerializeToString,
             protos_dot_kv__transfer__pb2.PushKvResponse.FromString,
             options,
             channel_credentials,
