@@ -99,13 +99,20 @@ def iter_pages(
     """Reads a request's blocks layer by layer, K then V, in messages of at most max_bytes."""
     block_bytes = kv_caches[0][0][0].numel() * kv_caches[0][0].element_size()
     per_page = max(1, (max_bytes - 1024) // block_bytes)  # leave room for the header fields
-    index = torch.tensor(block_ids, dtype=torch.long)
     for layer in layers if layers is not None else range(len(kv_caches)):
         for kind, cache in ((KEY, kv_caches[layer][0]), (VALUE, kv_caches[layer][1])):
             for start in range(0, len(block_ids), per_page):
-                blocks = cache.index_select(0, index[start : start + per_page])
+                blocks = _gather(cache, block_ids[start : start + per_page])
                 data = blocks.view(torch.uint8).numpy().tobytes()
                 yield KvPage(request_id, layer, kind, start, blocks.shape[0], dtype_name(cache.dtype), data)
+
+
+def _gather(cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """The blocks in order; a view (no copy) when their ids are consecutive."""
+    first = block_ids[0]
+    if block_ids == list(range(first, first + len(block_ids))):
+        return cache[first : first + len(block_ids)]
+    return cache.index_select(0, torch.tensor(block_ids, dtype=torch.long))
 
 
 @dataclass

@@ -15,12 +15,14 @@ from kvtransfer.base import KvCommit, KvDestination, KvPage, KvReceiver, KvSende
 from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 from protos.convert import logprob_from_proto, logprob_to_proto
 
+NUM_PARALLEL_STREAMS = 2
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 8 << 20),
     ("grpc.max_receive_message_length", 8 << 20),
     # Page streams are bulk data: larger HTTP/2 frames and flow-control windows cut per-frame work.
     ("grpc.http2.max_frame_size", 16 << 20 - 1),
     ("grpc.http2.bdp_probe", 1),
+    ("grpc.http2.lookahead_bytes", 64 << 20),
 ]
 
 
@@ -65,7 +67,13 @@ class GrpcKvSender(KvSender):
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def send(self, destination: KvDestination, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
-        await self._push(destination.address, self._messages(kv_caches, block_ids, commit))
+        # Two streams (even and odd layers) keep sender, wire and receiver busy at once; the
+        # commit follows when both are in.
+        layer_sets = [range(start, len(kv_caches), NUM_PARALLEL_STREAMS) for start in range(NUM_PARALLEL_STREAMS)]
+        await asyncio.gather(
+            *(self._push(destination.address, self._pages(kv_caches, block_ids, commit.request_id, layers)) for layers in layer_sets)
+        )
+        await self.commit(destination, commit)
 
     def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> GrpcKvStream:
         return GrpcKvStream(self, destination, kv_caches, request_id)
@@ -90,10 +98,9 @@ class GrpcKvSender(KvSender):
             raise TransferError(response.error)
 
     @staticmethod
-    async def _messages(kv_caches, block_ids, commit: KvCommit):
-        for page in iter_pages(kv_caches, commit.request_id, block_ids):
+    async def _pages(kv_caches, block_ids, request_id: str, layers: range):
+        for page in iter_pages(kv_caches, request_id, block_ids, layers=layers):
             yield page_to_proto(page)
-        yield commit_to_proto(commit)
 
 
     def _channel(self, address: str) -> grpc.aio.Channel:

@@ -38,6 +38,7 @@ def cluster(tmp_path_factory):
             base_url = group.start_gateway(model, embedded.url)
             wait_until(lambda: num_registered(embedded.url) == 3, 120, "3 nodes to register")
             wait_until(lambda: healthy(base_url), 60, "the gateway to be healthy")
+            time.sleep(1.0)  # the gateway's registry snapshot refreshes every 0.5 s: let it see all 3
             yield {"model": model, "redis_url": embedded.url, "base_url": base_url, "group": group}
         finally:
             group.stop_all()
