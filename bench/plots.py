@@ -71,7 +71,6 @@ def _plot_cdf(results: Sequence[LevelResult], metric: str, out_dir: Path) -> Pat
 
 
 def _plot_sweep(results: Sequence[LevelResult], out_dir: Path) -> list[Path]:
-    import matplotlib.pyplot as plt
 
     by_rate = results[0].load.request_rate is not None
     xs = [r.load.request_rate if by_rate else r.load.concurrency for r in results]
