@@ -1,8 +1,11 @@
 """Runs an LLMEngine in its own thread and bridges it to asyncio callers.
 
 Lifecycle:
-  1. `start()` launches the engine thread; it loops: run queued commands (add, abort, reserve,
-     ...), then `step()` if any request is unfinished, else sleep until a command arrives;
+  1. `start()` launches the engine thread (or `run_in_current_thread()` makes the caller's
+     thread the engine thread: nodes use their main thread, where torch's CPU kernels run
+     multi-threaded; from a secondary thread they ran about 1.5x slower here); it loops: run
+     queued commands (add, abort, reserve, ...), then `step()` if any request is unfinished,
+     else sleep until a command arrives;
   2. callers `await call(fn)` to run `fn(engine)` on the engine thread between two steps
      (the engine is never touched from two threads), and read a request's outputs from the
      asyncio queue that `open_stream` returned;
@@ -40,10 +43,15 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
+    def run_in_current_thread(self) -> None:
+        """Runs the engine loop here until `stop()` is called from another thread."""
+        self._run()
+
     def stop(self) -> None:
         self._stopping.set()
         self.submit(lambda engine: None)  # wakes the loop
-        self._thread.join(timeout=30)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Runs fn(engine) on the engine thread; returns its result or raises its exception."""
