@@ -186,10 +186,10 @@ def describe_run(args: argparse.Namespace, seconds: float) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pdserve bench compare", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="alias, Hugging Face folder or .gguf file")
-    parser.add_argument("--concurrency", type=offline._int_list, default=[1, 8, 32], help="e.g. 1,8,32")
+    parser.add_argument("--concurrency", type=offline.int_list, default=[1, 8, 32], help="e.g. 1,8,32")
     parser.add_argument("--input-len", type=int, default=200, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
-    parser.add_argument("--systems", type=_system_list, default=list(SYSTEMS), help=",".join(SYSTEMS))
+    parser.add_argument("--systems", type=offline.name_list(SYSTEMS), default=list(SYSTEMS), help=",".join(SYSTEMS))
     parser.add_argument("--min-requests", type=int, default=4,
                         help="clusters: at least this many requests per level, so that percentiles have samples")
     parser.add_argument("--naive-max-requests", type=int, default=4,
@@ -198,14 +198,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, help="also write the markdown here")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     return parser.parse_args(argv)
-
-
-def _system_list(text: str) -> list[str]:
-    systems = text.split(",")
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown systems {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
-    return systems
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -267,29 +267,35 @@ def build_runners(model: str, systems: Sequence[str]) -> tuple[dict[str, Runner]
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pdserve bench offline", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="alias, Hugging Face folder or .gguf file")
-    parser.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="e.g. 1,8,32")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 8, 32], help="e.g. 1,8,32")
     parser.add_argument("--input-len", type=int, default=200, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
-    parser.add_argument("--systems", type=_system_list, default=list(SYSTEMS), help=",".join(SYSTEMS))
+    parser.add_argument("--systems", type=name_list(SYSTEMS), default=list(SYSTEMS), help=",".join(SYSTEMS))
     parser.add_argument("--naive-max-requests", type=int, default=4,
                         help="naive is timed on at most this many requests per concurrency")
     parser.add_argument("--json", type=Path, help="also write the results here")
     return parser.parse_args(argv)
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """argparse type: a comma list of positive counts, e.g. concurrency levels `1,8,32`."""
     values = [int(part) for part in text.split(",")]
     if any(value < 1 for value in values):
         raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got {text}")
     return values
 
 
-def _system_list(text: str) -> list[str]:
-    systems = text.split(",")
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown systems {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
-    return systems
+def name_list(allowed: Sequence[str]):
+    """argparse type: a comma list of names taken from `allowed`."""
+
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        unknown = set(names) - set(allowed)
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown systems {sorted(unknown)}; choose from {','.join(allowed)}")
+        return names
+
+    return parse
 
 
 def main(argv: Sequence[str] | None = None) -> None:

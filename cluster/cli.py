@@ -40,18 +40,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from engine import CacheConfig, EngineConfig, SchedulerConfig
+    from engine import EngineConfig
 
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
-            enable_prefix_caching=not args.no_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
+    return EngineConfig.from_flags(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
     )
 
 

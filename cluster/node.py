@@ -26,7 +26,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.registry import NodeCapacity, NodeInfo, NodeLoad, NodeRegistration
 from engine.async_engine import AsyncEngine
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from kvtransfer.grpc_transport import GRPC_OPTIONS
 
@@ -58,16 +58,10 @@ class NodeSettings(BaseSettings):
     ttl_s: float = 3.0
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model,
-            dtype=self.dtype,
-            device=self.device,
-            cache=CacheConfig(
-                block_size=self.block_size,
-                kv_cache_memory_bytes=int(self.kv_cache_gib * (1 << 30)),
-                enable_prefix_caching=self.enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs),
+        return EngineConfig.from_flags(
+            model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
+            kv_cache_gib=self.kv_cache_gib, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs, enable_prefix_caching=self.enable_prefix_caching,
         )
 
 

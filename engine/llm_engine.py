@@ -173,27 +173,23 @@ def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
 
 
-def _step_output(request: Request, token_id: int, logprob) -> RequestOutput:
+def _output(request: Request, new_token_ids: list[int], new_logprobs: list, with_history: bool = False) -> RequestOutput:
     return RequestOutput(
         request_id=request.request_id,
-        new_token_ids=[token_id],
-        new_logprobs=[logprob] if logprob is not None else [],
+        new_token_ids=new_token_ids,
+        new_logprobs=new_logprobs,
         finished=request.is_finished,
         finish_reason=request.finish_reason,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
+        token_ids=request.output_token_ids if with_history else [],
+        logprobs=request.output_logprobs if with_history else [],
     )
+
+
+def _step_output(request: Request, token_id: int, logprob) -> RequestOutput:
+    return _output(request, [token_id], [logprob] if logprob is not None else [])
 
 
 def _final_output(request: Request) -> RequestOutput:
-    return RequestOutput(
-        request_id=request.request_id,
-        new_token_ids=[],
-        new_logprobs=[],
-        finished=request.is_finished,
-        finish_reason=request.finish_reason,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_cached_tokens=request.num_cached_tokens,
-        token_ids=request.output_token_ids,
-        logprobs=request.output_logprobs,
-    )
+    return _output(request, [], [], with_history=True)

@@ -20,9 +20,6 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-
-
 @dataclass(frozen=True)
 class PackagedModel:
     """A model shipped as a GGUF file inside an installed Python package."""

@@ -37,9 +37,14 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def layout_string(num_layers: int, block_shape, dtype: torch.dtype) -> str:
+    """"layers,blocks,block_size,kv_heads,head_dim,dtype": what two caches must share."""
+    return ",".join(map(str, (num_layers, *block_shape, dtype_name(dtype))))
+
+
 def kv_layout(kv_caches) -> str:
     k = kv_caches[0][0]
-    return ",".join(map(str, (len(kv_caches), *k.shape, dtype_name(k.dtype))))
+    return layout_string(len(kv_caches), k.shape, k.dtype)
 
 
 def _tensors_over(buffer, layout: str):
@@ -54,7 +59,7 @@ class SharedKvCache:
     """Decode side: owns the shared-memory segment holding every layer's K and V blocks."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
-        self.layout = ",".join(map(str, (num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype_name(dtype))))
+        self.layout = layout_string(num_layers, (num_blocks, block_size, num_kv_heads, head_dim), dtype)
         nbytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         self.segment = shared_memory.SharedMemory(create=True, size=nbytes)
         _CREATED_HERE.add(self.segment.name)

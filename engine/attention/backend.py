@@ -34,10 +34,6 @@ class BatchLayout:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
 
 class AttentionBackend(ABC):
     """Writes a layer's new K/V into the paged cache and attends over each sequence's context.
