@@ -13,7 +13,7 @@ from engine.async_engine import AsyncEngine
 from kvtransfer.base import KvReceiver
 from kvtransfer.grpc_transport import KvTransferServicer
 from kvtransfer.shm_transport import SharedKvCache, host_id
-from protos import decode_pb2_grpc, kv_transfer_pb2_grpc
+from protos import decode_pb2_grpc
 
 
 def add_decode_servicers(server: grpc.aio.Server, async_engine: AsyncEngine, settings: NodeSettings) -> DecodeServicer:
@@ -21,7 +21,7 @@ def add_decode_servicers(server: grpc.aio.Server, async_engine: AsyncEngine, set
     receiver = KvReceiver(async_engine.engine.model_runner.kv_caches, in_shared_memory=shared is not None)
     servicer = DecodeServicer(async_engine, receiver, settings.kv_timeout_s, shared, host_id())
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
-    kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server(KvTransferServicer(receiver), server)
+    KvTransferServicer(receiver).add_to_server(server)
     return servicer
 
 

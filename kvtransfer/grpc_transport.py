@@ -1,8 +1,9 @@
 """KV transfer over a gRPC client stream: raw page bytes, at most 4 MiB per message.
 
-The prefill node opens one `PushKv` stream per request to the decode node's
-KvTransferService, sends every page, then a commit; the decode node's servicer feeds each
-message to its KvReceiver and answers once, with ok or the first error.
+The prefill node opens `PushKv` streams to the decode node's KvTransferService, sends every
+page, then a commit; the decode node's servicer feeds each message to its KvReceiver and
+answers once, with ok or the first error. Page messages are encoded and decoded by
+`page_codec` (one copy of the bytes per side), not by the generated stubs.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import asyncio
 
 import grpc
 
-from kvtransfer.base import KvCommit, KvDestination, KvPage, KvReceiver, KvSender, KvStream, TransferError, iter_pages
-from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
-from protos.convert import logprob_from_proto, logprob_to_proto
+from kvtransfer.base import KvCommit, KvDestination, KvReceiver, KvSender, KvStream, TransferError, iter_pages
+from kvtransfer.page_codec import batch_pages, commit_from_proto, commit_to_proto, decode_request, encode_commit, encode_pages
+from protos import kv_transfer_pb2
 
 NUM_PARALLEL_STREAMS = 2
 GRPC_OPTIONS = [
@@ -26,38 +27,8 @@ GRPC_OPTIONS = [
 ]
 
 
-def page_to_proto(page: KvPage) -> kv_transfer_pb2.PushKvRequest:
-    return kv_transfer_pb2.PushKvRequest(
-        page=kv_transfer_pb2.KvPage(
-            request_id=page.request_id,
-            layer=page.layer,
-            kind=page.kind,
-            block_index=page.block_index,
-            num_blocks=page.num_blocks,
-            dtype=page.dtype,
-            data=page.data,
-        )
-    )
-
-
-def page_from_proto(message: kv_transfer_pb2.KvPage) -> KvPage:
-    return KvPage(
-        message.request_id, message.layer, int(message.kind), message.block_index, message.num_blocks, message.dtype, message.data
-    )
-
-
-def commit_to_proto(commit: KvCommit) -> kv_transfer_pb2.PushKvRequest:
-    message = kv_transfer_pb2.KvCommit(
-        request_id=commit.request_id, first_token_id=commit.first_token_id, pages_in_shared_memory=commit.pages_in_shared_memory
-    )
-    if commit.first_logprob is not None:
-        message.first_logprob.CopyFrom(logprob_to_proto(commit.first_logprob))
-    return kv_transfer_pb2.PushKvRequest(commit=message)
-
-
-def commit_from_proto(c: kv_transfer_pb2.KvCommit) -> KvCommit:
-    logprob = logprob_from_proto(c.first_logprob) if c.HasField("first_logprob") else None
-    return KvCommit(c.request_id, c.first_token_id, logprob, c.pages_in_shared_memory)
+PUSH_KV = "/pdserve.v1.KvTransferService/PushKv"
+COMMIT_KV = "/pdserve.v1.KvTransferService/CommitKv"
 
 
 class GrpcKvSender(KvSender):
@@ -80,18 +51,21 @@ class GrpcKvSender(KvSender):
 
     async def commit(self, destination: KvDestination, commit: KvCommit) -> None:
         """The commit alone, in one unary call (the pages travelled another way)."""
-        stub = kv_transfer_pb2_grpc.KvTransferServiceStub(self._channel(destination.address))
+        commit_kv = self._channel(destination.address).unary_unary(
+            COMMIT_KV, request_serializer=kv_transfer_pb2.KvCommit.SerializeToString, response_deserializer=kv_transfer_pb2.PushKvResponse.FromString
+        )
         try:
-            response = await stub.CommitKv(commit_to_proto(commit).commit)
+            response = await commit_kv(commit_to_proto(commit))
         except grpc.aio.AioRpcError as error:
             raise TransferError(f"commit to {destination.address} failed: {error.code().name} {error.details()}") from error
         if not response.ok:
             raise TransferError(response.error)
 
     async def _push(self, address: str, messages) -> None:
-        stub = kv_transfer_pb2_grpc.KvTransferServiceStub(self._channel(address))
+        # Messages arrive encoded (bytes): the sender controls every copy of the page data.
+        push_kv = self._channel(address).stream_unary(PUSH_KV, request_serializer=None, response_deserializer=kv_transfer_pb2.PushKvResponse.FromString)
         try:
-            response = await stub.PushKv(messages)
+            response = await push_kv(messages)
         except grpc.aio.AioRpcError as error:
             raise TransferError(f"push to {address} failed: {error.code().name} {error.details()}") from error
         if not response.ok:
@@ -99,9 +73,8 @@ class GrpcKvSender(KvSender):
 
     @staticmethod
     async def _pages(kv_caches, block_ids, request_id: str, layers: range):
-        for page in iter_pages(kv_caches, request_id, block_ids, layers=layers):
-            yield page_to_proto(page)
-
+        for pages in batch_pages(iter_pages(kv_caches, request_id, block_ids, layers=layers)):
+            yield encode_pages(pages)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -125,11 +98,12 @@ class GrpcKvStream(KvStream):
         self.call = asyncio.create_task(sender._push(destination.address, self._messages()))
 
     def send_layer(self, layer: int, block_ids: list[int]) -> None:
-        pages = [page_to_proto(p) for p in iter_pages(self.kv_caches, self.request_id, block_ids, layers=range(layer, layer + 1))]
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, pages)
+        layer_pages = iter_pages(self.kv_caches, self.request_id, block_ids, layers=range(layer, layer + 1))
+        messages = [encode_pages(pages) for pages in batch_pages(layer_pages)]
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (messages, False))
 
     async def commit(self, commit: KvCommit) -> None:
-        self.queue.put_nowait([commit_to_proto(commit)])
+        self.queue.put_nowait(([encode_commit(commit)], True))
         await self.call
 
     def cancel(self) -> None:
@@ -137,25 +111,38 @@ class GrpcKvStream(KvStream):
 
     async def _messages(self):
         while True:
-            for message in await self.queue.get():
+            messages, last = await self.queue.get()
+            for message in messages:
                 yield message
-                if message.HasField("commit"):
-                    return
+            if last:
+                return
 
 
-class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServiceServicer):
+class KvTransferServicer:
     """Decode side: feeds every pushed message to the receiver; the first error ends the stream."""
 
     def __init__(self, receiver: KvReceiver) -> None:
         self.receiver = receiver
 
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Registers both methods; PushKv messages are decoded by page_codec (pages as views)."""
+        respond = kv_transfer_pb2.PushKvResponse.SerializeToString
+        handlers = {
+            "PushKv": grpc.stream_unary_rpc_method_handler(self.PushKv, request_deserializer=decode_request, response_serializer=respond),
+            "CommitKv": grpc.unary_unary_rpc_method_handler(
+                self.CommitKv, request_deserializer=kv_transfer_pb2.KvCommit.FromString, response_serializer=respond
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.KvTransferService", handlers),))
+
     async def PushKv(self, request_iterator, context) -> kv_transfer_pb2.PushKvResponse:
         try:
-            async for message in request_iterator:
-                if message.HasField("page"):
-                    self.receiver.receive_page(page_from_proto(message.page))
+            async for item in request_iterator:  # a batch of pages or the commit
+                if isinstance(item, KvCommit):
+                    self.receiver.commit(item)
                 else:
-                    self.receiver.commit(commit_from_proto(message.commit))
+                    for page in item:
+                        self.receiver.receive_page(page)
         except TransferError as error:
             return kv_transfer_pb2.PushKvResponse(ok=False, error=str(error))
         return kv_transfer_pb2.PushKvResponse(ok=True)

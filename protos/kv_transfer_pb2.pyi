@@ -1,8 +1,9 @@
 from protos import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -44,13 +45,19 @@ class KvCommit(_message.Message):
     pages_in_shared_memory: bool
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., pages_in_shared_memory: _Optional[bool] = ...) -> None: ...
 
+class KvPageBatch(_message.Message):
+    __slots__ = ("pages",)
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    pages: _containers.RepeatedCompositeFieldContainer[KvPage]
+    def __init__(self, pages: _Optional[_Iterable[_Union[KvPage, _Mapping]]] = ...) -> None: ...
+
 class PushKvRequest(_message.Message):
-    __slots__ = ("page", "commit")
-    PAGE_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("pages", "commit")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
-    page: KvPage
+    pages: KvPageBatch
     commit: KvCommit
-    def __init__(self, page: _Optional[_Union[KvPage, _Mapping]] = ..., commit: _Optional[_Union[KvCommit, _Mapping]] = ...) -> None: ...
+    def __init__(self, pages: _Optional[_Union[KvPageBatch, _Mapping]] = ..., commit: _Optional[_Union[KvCommit, _Mapping]] = ...) -> None: ...
 
 class PushKvResponse(_message.Message):
     __slots__ = ("ok", "error")

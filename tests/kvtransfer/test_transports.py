@@ -11,13 +11,12 @@ import torch
 from kvtransfer.base import KvCommit, KvDestination, KvReceiver, TransferError, TransferStatus
 from kvtransfer.grpc_transport import GrpcKvSender, KvTransferServicer
 from kvtransfer.shm_transport import SharedKvCache, ShmKvSender, host_id, kv_layout
-from protos import kv_transfer_pb2_grpc
 from tests.kvtransfer.test_receiver import caches
 
 
 async def serve_receiver(receiver: KvReceiver) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
-    kv_transfer_pb2_grpc.add_KvTransferServiceServicer_to_server(KvTransferServicer(receiver), server)
+    KvTransferServicer(receiver).add_to_server(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
