@@ -1,8 +1,9 @@
 """The decode node's gRPC servicer.
 
 Lifecycle of one Generate stream:
-  1. reserve KV blocks for the prompt (RESOURCE_EXHAUSTED if the pool is full) and send
-     `reserved`, so the gateway can start the prefill;
+  1. reserve KV blocks for the prompt (RESOURCE_EXHAUSTED if the pool is full), reusing the
+     leading blocks this node has cached, and send `reserved`, so the gateway can start the
+     prefill; only the blocks after the cached ones are pushed;
   2. wait for the prefill node to push every page and commit the first token, with a
      deadline: on expiry or a bad page, free the blocks and fail with UNAVAILABLE;
   3. join the continuous batch at the next step boundary and stream each sampled token,
@@ -87,13 +88,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     async def _reserve(self, rid, prompt, params, context) -> decode_pb2.GenerateResponse:
         try:
-            block_ids = await self.async_engine.call(lambda engine: engine.reserve_prefilled(rid, prompt, params))
+            reservation = await self.async_engine.call(lambda engine: engine.reserve_prefilled(rid, prompt, params))
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        if block_ids is None:
+        if reservation is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode node has no free KV blocks for this prompt")
-        self.receiver.reserve(rid, block_ids)
-        reserved = decode_pb2.Reserved(num_blocks=len(block_ids), block_ids=block_ids)
+        self.receiver.reserve(rid, reservation.block_ids)  # only the blocks not cached here already
+        reserved = decode_pb2.Reserved(
+            num_blocks=len(reservation.block_ids), block_ids=reservation.block_ids, num_cached_blocks=reservation.num_cached_blocks
+        )
         if self.shared_kv is not None:
             reserved.shm_name, reserved.host_id, reserved.kv_layout = self.shared_kv.name, self.host_id, self.shared_kv.layout
         return decode_pb2.GenerateResponse(reserved=reserved)

@@ -34,6 +34,20 @@ class BlockPool:
         self.free_block_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
+        # hash -> True (now cached) / False (evicted) since the last drain; None: not tracked.
+        self._changed_hashes: dict[bytes, bool] | None = None
+
+    def track_changes(self) -> list[bytes]:
+        """Starts (or restarts) recording prefix-cache changes; returns every hash cached now."""
+        self._changed_hashes = {}
+        return list(self.block_hash_to_block)
+
+    def drain_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, removed) hashes since the last drain; a hash's last change wins."""
+        if self._changed_hashes is None:
+            return [], []
+        changed, self._changed_hashes = self._changed_hashes, {}
+        return [h for h, cached in changed.items() if cached], [h for h, cached in changed.items() if not cached]
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,11 +92,14 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.block_hash_to_block[block_hash] = block
+        self._record(block_hash, True)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached hash (blocks in use keep their contents)."""
         for block in self.blocks:
             block.block_hash = None
+        for block_hash in self.block_hash_to_block:
+            self._record(block_hash, False)
         self.block_hash_to_block.clear()
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -90,5 +107,10 @@ class BlockPool:
             return
         if self.block_hash_to_block.get(block.block_hash) is block:
             del self.block_hash_to_block[block.block_hash]
+            self._record(block.block_hash, False)
         block.block_hash = None
         self.num_evictions += 1
+
+    def _record(self, block_hash: bytes, cached: bool) -> None:
+        if self._changed_hashes is not None:
+            self._changed_hashes[block_hash] = cached

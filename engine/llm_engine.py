@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 
 from transformers import AutoConfig, AutoTokenizer
 
@@ -22,9 +23,16 @@ from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Reservation, Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KvCacheChanges:
+    stored: list[bytes]
+    removed: list[bytes]
+    full: bool  # stored is everything cached: drop what was known before
 
 
 class LLMEngine:
@@ -62,9 +70,19 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return request
 
-    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> list[int] | None:
-        """Decode node: holds blocks for a prompt computed elsewhere; their ids, or None if full."""
+    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> Reservation | None:
+        """Decode node: holds blocks for a prompt computed elsewhere, reusing the leading blocks
+        already in this node's prefix cache; None if the pool is full."""
         return self.scheduler.reserve(self._new_request(request_id, prompt_token_ids, sampling_params))
+
+    def kv_cache_changes(self, full: bool) -> KvCacheChanges:
+        """Prefix-cache hashes stored and evicted since the last call (what the cluster's KV
+        index needs); `full` restarts from a snapshot of everything cached now."""
+        pool = self.kv_cache_manager.block_pool
+        if full:
+            return KvCacheChanges(stored=pool.track_changes(), removed=[], full=True)
+        stored, removed = pool.drain_changes()
+        return KvCacheChanges(stored, removed, full=False)
 
     def admit_prefilled(self, request_id: str, first_token_id: int, logprob=None) -> RequestOutput | None:
         """Decode node: the pages arrived; the request decodes from the next step on. Returns a

@@ -35,6 +35,16 @@ class ScheduledRequest:
         return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """A decode node's blocks for a prompt computed elsewhere: the first `num_cached_blocks`
+    hold the prompt's leading blocks already (prefix-cache hit); `block_ids` are the rest,
+    which the prefill node's pages must fill."""
+
+    block_ids: list[int]
+    num_cached_blocks: int
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -81,16 +91,22 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def reserve(self, request: Request) -> list[int] | None:
-        """Holds blocks for a prompt whose KV another node computes; None if the pool is short.
-        The blocks are not entered in the prefix cache until their pages have arrived."""
+    def reserve(self, request: Request) -> Reservation | None:
+        """Holds blocks for a prompt whose KV another node computes, adopting the leading blocks
+        this node has cached; None if the pool is short. The new blocks are not entered in the
+        prefix cache until their pages have arrived."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if self.kv_cache_manager.allocate_slots(request, request.num_prompt_tokens, cache_blocks=False) is None:
+        cached_blocks, num_cached_tokens = self.kv_cache_manager.match_prefix(request)
+        num_new_tokens = request.num_prompt_tokens - num_cached_tokens
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, cached_blocks, cache_blocks=False)
+        if new_blocks is None:
             return None
+        self.kv_cache_manager.record_prefix_query(request.num_prompt_tokens, num_cached_tokens)
+        request.num_cached_tokens = num_cached_tokens
         self.requests[request.request_id] = request
         self.reserved[request.request_id] = request
-        return self.kv_cache_manager.get_block_ids(request.request_id)
+        return Reservation([b.block_id for b in new_blocks], len(cached_blocks))
 
     def admit_prefilled(self, request_id: str, first_token_id: int, logprob=None) -> Request:
         """The pushed pages are in place: the request joins the batch at the next step."""

@@ -139,6 +139,7 @@ class ClusterBackend:
                 decode_shm_name=reserved.shm_name,
                 decode_host_id=reserved.host_id,
                 decode_kv_layout=reserved.kv_layout,
+                decode_num_cached_blocks=reserved.num_cached_blocks,
             )
         )
         logprobs = [logprob_from_proto(response.first_logprob)] if response.HasField("first_logprob") else []

@@ -54,6 +54,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.sender = sender
         self.kv_caches = async_engine.engine.model_runner.kv_caches
         self.streams: dict[str, KvStream] = {}  # read by the engine thread between layers
+        # Leading blocks each request's decode node holds already (delta transfer): not pushed.
+        self.num_skipped_blocks: dict[str, int] = {}
         self._commits: set[asyncio.Task] = set()
         self.num_push_failures = 0
         async_engine.engine.on_layer_computed = self._on_layer_computed
@@ -65,13 +67,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         try:
+            self.num_skipped_blocks[rid] = request.decode_num_cached_blocks
             self.streams[rid] = self.sender.open_stream(destination_of(request), self.kv_caches, rid)
         except TransferError as error:
+            self.num_skipped_blocks.pop(rid)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         try:
             output = await self._first_token(rid, list(request.prompt_token_ids), params, context)
         except BaseException:
-            self.streams.pop(rid).cancel()
+            self._drop_stream(rid).cancel()
             raise
         token_id = output.new_token_ids[0]
         logprob = output.new_logprobs[0] if output.new_logprobs else None
@@ -79,7 +83,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if reason is None:
             self._start_commit(rid, KvCommit(rid, token_id, logprob))
         else:
-            self.streams.pop(rid).cancel()
+            self._drop_stream(rid).cancel()
             self.async_engine.submit(lambda engine: engine.release_kv(rid))
         response = prefill_pb2.PrefillResponse(
             first_token_id=token_id, finished=reason is not None, finish_reason=reason or "", num_cached_tokens=output.num_cached_tokens
@@ -95,7 +99,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             if stream is None:
                 continue
             try:
-                stream.send_layer(layer, block_ids)
+                stream.send_layer(layer, block_ids[self.num_skipped_blocks.get(request.request_id, 0) :])
             except Exception:  # a broken transfer must not break the batch: its commit will fail
                 logger.exception("sending layer %d of %s failed", layer, request.request_id)
 
@@ -127,8 +131,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             self.num_push_failures += 1
             logger.warning("KV transfer of %s failed: %s", rid, error)
         finally:
-            self.streams.pop(rid, None)
+            self._drop_stream(rid)
             self.async_engine.submit(lambda engine: engine.release_kv(rid))
+
+    def _drop_stream(self, rid: str) -> KvStream | None:
+        self.num_skipped_blocks.pop(rid, None)
+        return self.streams.pop(rid, None)
 
     async def close(self) -> None:
         for task in list(self._commits):

@@ -132,3 +132,42 @@ def test_full_pool_is_refused_with_resource_exhausted(tiny_llama_path):
         call.cancel()
 
     run(tiny_llama_path, scenario)
+
+
+async def disaggregated_generate(channel, rid, prompt, params) -> tuple[list[int], decode_pb2.Reserved]:
+    """What the gateway does: reserve on the decode node, prefill with its reservation, stream."""
+    call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(generate_request(rid, prompt, params))
+    reserved = (await call.read()).reserved
+    first = await prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling_params=sampling_params_to_proto(params), decode_address="decode",
+            decode_block_ids=reserved.block_ids, decode_num_cached_blocks=reserved.num_cached_blocks,
+        )
+    )
+    tokens = [first.first_token_id]
+    while (message := await call.read()) is not grpc.aio.EOF:
+        tokens += message.chunk.token_ids
+    return tokens, reserved
+
+
+def test_second_chat_turn_pushes_only_the_blocks_the_decode_node_lacks(tiny_llama_path):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first_prompt = list(range(3, 43))  # 40 tokens
+
+    async def scenario(channel, decode_engine, prefill_engine):
+        receiver = prefill_engine.sender.receivers["decode"]
+        bytes_per_block = receiver.num_layers * 2 * receiver.block_bytes  # every layer's K and V
+        first_reply, reserved = await disaggregated_generate(channel, "turn-1", first_prompt, params)
+        assert reserved.num_cached_blocks == 0 and reserved.num_blocks == 3
+        assert receiver.num_bytes_received == 3 * bytes_per_block
+        second_prompt = first_prompt + first_reply + list(range(50, 70))  # 68 tokens, 5 blocks
+        second_reply, reserved = await disaggregated_generate(channel, "turn-2", second_prompt, params)
+        # The first turn's prompt and reply (47 computed tokens: 2 full blocks) stayed cached.
+        assert reserved.num_cached_blocks == 2 and reserved.num_blocks == 3
+        assert receiver.num_bytes_received == 6 * bytes_per_block  # 3 of the 5 blocks moved
+        assert decode_engine.engine.kv_cache_manager.num_prefix_hits == 32
+        offline = LLMEngine(EngineConfig(model=str(tiny_llama_path), cache=CacheConfig(num_blocks=NUM_BLOCKS)))
+        assert second_reply == offline.generate([second_prompt], params)[0].token_ids
+        assert await all_blocks_freed(decode_engine)
+
+    run(tiny_llama_path, scenario)
