@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
     gateway.add_argument("--redis-url", required=True)
+    add_router_arguments(gateway)
 
     up = commands.add_parser("up", help="start Redis, the nodes and the gateway on this machine")
     up.add_argument("--model", default="smollm2-135m")
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-num-seqs", type=int, default=64)
     up.add_argument("--max-num-batched-tokens", type=int, default=2048)
     up.add_argument("--kv-transport", choices=["auto", "grpc", "shm"], default="auto")
+    add_router_arguments(up)
     up.add_argument("--log-dir", help="keep each child's log here (default: a temporary folder)")
     up.add_argument("--ready-timeout-s", type=float, default=300.0)
 
@@ -111,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kinds.add_parser("transfer", help="KV transfer bandwidth: gRPC, shared memory, memcpy", add_help=False)
     bench_kinds.add_parser("interference", help="decode ITL under long prompts; TTFT: disaggregated vs colocated", add_help=False)
     return parser
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--router-policy", choices=["round_robin", "least_load", "prefix_aware"], default="prefix_aware",
+                        help="prefix_aware: where the prompt's prefix is cached, within a load cap")
+    parser.add_argument("--router-load-factor", type=float, default=1.25,
+                        help="prefix_aware's cap: no node above this factor x the mean in-flight load")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -136,7 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gateway.cluster_backend import serve_cluster_gateway
         from gateway.settings import GatewaySettings
 
-        settings = GatewaySettings(model=args.model, host=args.host, port=args.port, redis_url=args.redis_url)
+        settings = GatewaySettings(
+            model=args.model, host=args.host, port=args.port, redis_url=args.redis_url,
+            router_policy=args.router_policy, router_load_factor=args.router_load_factor,
+        )
         asyncio.run(serve_cluster_gateway(settings))
         return 0
     if args.command == "up":
@@ -150,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
             num_decode=args.decode, redis_url=args.redis_url, colocated=args.colocated, node_args=node_args,
             log_dir=args.log_dir, ready_timeout_s=args.ready_timeout_s,
+            gateway_args=("--router-policy", args.router_policy, "--router-load-factor", str(args.router_load_factor)),
         )
         return run_up(plan)
     if args.command == "fetch-model":

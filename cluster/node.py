@@ -5,7 +5,8 @@ Lifecycle of a node:
   1. build the engine (model load) in the main thread, which then runs the engine loop (torch's
      CPU kernels run multi-threaded there; a secondary thread got about 1.5x slower steps);
   2. a second thread runs the asyncio loop: the gRPC server with the role's servicers, marked
-     SERVING, and the registration in Redis with heartbeats of the engine's load;
+     SERVING, the registration in Redis with heartbeats of the engine's load, and the
+     publication of the prefix cache's blocks to the cluster's KV index;
   3. on SIGTERM/SIGINT: leave the registry, stop the server (short grace), stop the engine loop.
 """
 
@@ -24,6 +25,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cluster.kv_index import KvIndexPublisher
 from cluster.registry import NodeCapacity, NodeInfo, NodeLoad, NodeRegistration
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -112,9 +114,15 @@ async def _serve(role, settings, add_servicers, async_engine, stop_requested, si
         interval_s=settings.heartbeat_s, ttl_s=settings.ttl_s,
     )
     await registration.start()
+    kv_index = KvIndexPublisher(
+        settings.redis_url, registration.node_info, lambda full: async_engine.call(lambda engine: engine.kv_cache_changes(full)),
+        ttl_s=settings.ttl_s,
+    )
+    await kv_index.start()
     logger.info("%s node %s serving on %s:%d", role, registration.node_info.node_id, settings.host, port)
     await stop.wait()
     logger.info("stopping %s node", role)
+    await kv_index.stop()
     await registration.stop()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2.0)

@@ -21,6 +21,7 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when requested
     finish_reason: str | None = None  # "stop" (EOS / stop token), "length", "abort"
     num_cached_tokens: int = 0
+    route: str | None = None  # first chunk: which nodes serve the request (`x-pdserve-route`)
 
 
 class BackendErrorKind(enum.Enum):

@@ -1,7 +1,10 @@
 """The gateway's backend over real nodes: gRPC to prefill and decode nodes found in Redis.
 
 Lifecycle of one request (disaggregated):
-  1. pick a decode node and open its Generate stream; it reserves blocks and says `reserved`;
+  0. the router picks a prefill and a decode node (gateway/router.py: by policy, load and the
+     prompt's cached prefix on each node);
+  1. open the decode node's Generate stream; it reserves blocks and says `reserved` (how many
+     leading blocks it holds already: only the rest will be pushed);
   2. pick a prefill node and call Prefill, naming the decode node; the first token comes back
      as soon as it is sampled and is streamed to the client at once;
   3. if it did not end the request, relay the decode node's token chunks until the last.
@@ -18,16 +21,21 @@ from collections.abc import AsyncIterator
 import grpc
 from prometheus_client import Counter
 
+from cluster.kv_index import KvIndexReader
 from cluster.registry import NodeInfo, RegistryView
 from engine.sampling_params import SamplingParams
 from gateway.backend import BackendError, BackendErrorKind, GenerationChunk
-from gateway.router import Router
+from gateway.router import Route, Router, RoutingPolicy
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from protos.convert import logprob_from_proto, sampling_params_to_proto
 
 logger = logging.getLogger(__name__)
 
 ROUTED_REQUESTS = Counter("pdserve_gateway_routed_requests", "Requests routed to each node", ["role", "node_id"])
+PROMPT_TOKENS = Counter("pdserve_gateway_prefill_prompt_tokens", "Prompt tokens sent to each prefill node", ["node_id"])
+CACHED_PROMPT_TOKENS = Counter(
+    "pdserve_gateway_prefill_cached_tokens", "Prompt tokens each prefill node served from its prefix cache", ["node_id"]
+)
 
 MAX_ATTEMPTS = 3
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -40,9 +48,9 @@ STATUS_TO_KIND = {
 class ClusterBackend:
     """Owns one gRPC channel per node address and the router's in-flight counts."""
 
-    def __init__(self, registry: RegistryView, kv_timeout_ms: int = 30_000) -> None:
+    def __init__(self, registry: RegistryView, router: Router | None = None, kv_timeout_ms: int = 30_000) -> None:
         self.registry = registry
-        self.router = Router(registry)
+        self.router = router or Router(registry)
         self.kv_timeout_ms = kv_timeout_ms
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -55,13 +63,13 @@ class ClusterBackend:
         tried: set[str] = set()
         last_error: grpc.aio.AioRpcError | None = None
         for _ in range(MAX_ATTEMPTS):
-            plan = self._plan(tried)
-            if plan is None:
+            route = await self.router.route(prompt_token_ids, tried)
+            if route is None:
                 break
             sent_any = False
             try:
                 # aclosing: when the gateway stops early (stop string), cancel the node call now.
-                async with contextlib.aclosing(self._run(request_id, prompt_token_ids, params, *plan)) as chunks:
+                async with contextlib.aclosing(self._run(request_id, prompt_token_ids, params, route)) as chunks:
                     async for chunk in chunks:
                         sent_any = True
                         yield chunk
@@ -70,31 +78,21 @@ class ClusterBackend:
                 if sent_any or error.code() not in RETRYABLE:
                     raise _backend_error(error) from error
                 last_error = error
-                tried.update(self._blamed(plan, error))
+                tried.update(self._blamed(route, error))
                 logger.warning("request %s: %s, routing around it", request_id, error.details())
         if last_error is not None:
             raise _backend_error(last_error)
         raise BackendError(BackendErrorKind.UNAVAILABLE, "no healthy prefill and decode nodes are registered")
 
-    def _plan(self, tried: set[str]) -> tuple[NodeInfo | None, NodeInfo] | None:
-        colocated = self.router.pick_decode("colocated", tried)
-        if colocated is not None:
-            return None, colocated
-        decode, prefill = self.router.pick_decode("decode", tried), self.router.pick_prefill(tried)
-        return (prefill, decode) if decode and prefill else None
-
     @staticmethod
-    def _blamed(plan, error: grpc.aio.AioRpcError) -> set[str]:
-        prefill, decode = plan
+    def _blamed(route: Route, error: grpc.aio.AioRpcError) -> set[str]:
         # Which node failed is in the error's origin; without it, avoid both next time.
-        return {n.node_id for n in (prefill, decode) if n is not None and n.address in (error.details() or "")} or {
-            n.node_id for n in (prefill, decode) if n is not None
-        }
+        return {n.node_id for n in route.nodes if n.address in (error.details() or "")} or {n.node_id for n in route.nodes}
 
-    async def _run(self, rid, prompt, params, prefill: NodeInfo | None, decode: NodeInfo) -> AsyncIterator[GenerationChunk]:
-        nodes = [n for n in (prefill, decode) if n is not None]
-        for node in nodes:
-            self.router.acquire(node)
+    async def _run(self, rid, prompt, params, route: Route) -> AsyncIterator[GenerationChunk]:
+        prefill, decode = route.prefill, route.decode
+        self.router.acquire(route, len(prompt))
+        for node in route.nodes:
             ROUTED_REQUESTS.labels(node.role, node.node_id).inc()
         call = decode_pb2_grpc.DecodeServiceStub(self._channel(decode.address)).Generate(
             decode_pb2.GenerateRequest(
@@ -108,24 +106,32 @@ class ClusterBackend:
         try:
             reserved = (await call.read()).reserved  # blocks are held on the decode node
             if prefill is not None:
-                first = await self._prefill(prefill, decode, reserved, rid, prompt, params)
+                try:
+                    first = await self._prefill(prefill, decode, reserved, rid, prompt, params)
+                finally:
+                    self.router.prefill_done(route, len(prompt))
+                first.route = route_header(route, first.num_cached_tokens, reserved.num_cached_blocks * decode.capacity.block_size)
                 yield first
                 if first.finish_reason is not None:
                     return
+            first_chunk = prefill is None
             while (message := await call.read()) is not grpc.aio.EOF:
                 chunk = message.chunk
-                yield GenerationChunk(
+                output = GenerationChunk(
                     token_ids=list(chunk.token_ids),
                     logprobs=[logprob_from_proto(lp) for lp in chunk.logprobs],
                     finish_reason=chunk.finish_reason or None,
                     num_cached_tokens=chunk.num_cached_tokens,
                 )
+                if first_chunk:  # colocated: the node computed the prompt itself
+                    output.route = route_header(route, chunk.num_cached_tokens, chunk.num_cached_tokens)
+                    first_chunk = False
+                yield output
                 if chunk.finish_reason:
                     return
         finally:
             call.cancel()  # no-op once finished; otherwise the decode node aborts and frees blocks
-            for node in nodes:
-                self.router.release(node)
+            self.router.release(route)
 
     async def _prefill(self, prefill: NodeInfo, decode: NodeInfo, reserved, rid, prompt, params) -> GenerationChunk:
         stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(prefill.address))
@@ -142,6 +148,8 @@ class ClusterBackend:
                 decode_num_cached_blocks=reserved.num_cached_blocks,
             )
         )
+        PROMPT_TOKENS.labels(prefill.node_id).inc(len(prompt))
+        CACHED_PROMPT_TOKENS.labels(prefill.node_id).inc(response.num_cached_tokens)
         logprobs = [logprob_from_proto(response.first_logprob)] if response.HasField("first_logprob") else []
         return GenerationChunk([response.first_token_id], logprobs, response.finish_reason or None, response.num_cached_tokens)
 
@@ -155,6 +163,15 @@ class ClusterBackend:
             await channel.close()
 
 
+def route_header(route: Route, prefill_cached_tokens: int, decode_cached_tokens: int) -> str:
+    """The `x-pdserve-route` value: the nodes used and the prompt tokens each found cached."""
+    prefill = route.prefill or route.decode
+    return (
+        f"prefill={prefill.node_id}; decode={route.decode.node_id}; "
+        f"cached_tokens={prefill_cached_tokens}; decode_cached_tokens={decode_cached_tokens}"
+    )
+
+
 def _backend_error(error: grpc.aio.AioRpcError) -> BackendError:
     kind = STATUS_TO_KIND.get(error.code(), BackendErrorKind.UNAVAILABLE)
     return BackendError(kind, f"{error.code().name.lower()}: {error.details()}")
@@ -166,9 +183,12 @@ async def serve_cluster_gateway(settings) -> None:
 
     registry = RegistryView(settings.redis_url)
     await registry.start()
-    backend = ClusterBackend(registry)
+    kv_index = KvIndexReader(settings.redis_url)
+    router = Router(registry, RoutingPolicy(settings.router_policy), kv_index, settings.router_load_factor)
+    backend = ClusterBackend(registry, router)
     try:
         await serve_gateway(settings, backend)
     finally:
         await backend.close()
+        await kv_index.close()
         await registry.stop()

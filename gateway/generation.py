@@ -48,6 +48,7 @@ class ChoiceDelta:
     num_tokens: int = 0  # tokens the backend produced since the last delta
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    route: str | None = None  # set on a choice's first delta when the backend reports one
 
 
 async def close_quietly(stream: object) -> None:
@@ -76,6 +77,7 @@ async def stream_choice(backend: GenerationBackend, tokenizer: Tokenizer, spec: 
             pending.logprobs += chunk.logprobs
             pending.num_tokens += len(chunk.token_ids)
             pending.num_cached_tokens = max(pending.num_cached_tokens, chunk.num_cached_tokens)
+            pending.route = pending.route or chunk.route
             if chunk.finish_reason is not None:
                 pending.text += detokenizer.finish()
             if detokenizer.stopped or chunk.finish_reason is not None:
@@ -101,13 +103,20 @@ class ChoiceStream:
         self._tasks = [asyncio.create_task(self._pump(stream_choice(backend, tokenizer, spec))) for spec in specs]
         self._num_running = len(self._tasks)
         self._first: ChoiceDelta | None = None
+        self.routes: dict[int, str] = {}  # choice index -> route, as first deltas arrive
+
+    def route_headers(self) -> dict[str, str]:
+        """`x-pdserve-route`: each choice's nodes and cached tokens, for the choices started so far."""
+        if not self.routes:
+            return {}
+        return {"x-pdserve-route": ", ".join(self.routes[index] for index in sorted(self.routes))}
 
     @classmethod
     async def open(cls, backend: GenerationBackend, tokenizer: Tokenizer, specs: list[ChoiceSpec]) -> ChoiceStream:
         """Starts every choice and waits for the first delta; raises what the backend raised first."""
         self = cls(backend, tokenizer, specs)
         try:
-            self._first = await self.__anext__()
+            self._first = await self._next_delta()
         except BaseException:
             await self.aclose()
             raise
@@ -128,6 +137,9 @@ class ChoiceStream:
         if self._first is not None:
             first, self._first = self._first, None
             return first
+        return await self._next_delta()
+
+    async def _next_delta(self) -> ChoiceDelta:
         while self._num_running:
             item = await self._queue.get()
             if item is _DONE:
@@ -135,6 +147,8 @@ class ChoiceStream:
             elif isinstance(item, Exception):
                 raise item
             else:
+                if item.route is not None:
+                    self.routes.setdefault(item.index, item.route)
                 return item
         raise StopAsyncIteration
 

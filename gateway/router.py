@@ -1,43 +1,186 @@
-"""Picks the nodes for a request from the registry snapshot: least loaded of each role.
+"""Picks the nodes for a request: a prefill node and a decode node, or one colocated node.
+
+Policies (`--router-policy`):
+    round_robin   each role's nodes in turn
+    least_load    prefill: fewest queued prompt tokens; decode: fewest running sequences
+    prefix_aware  (default) uses the cluster's KV index (cluster/kv_index.py):
+                  prefill: least work, i.e. the prompt tokens it would have to compute (those
+                           after its longest cached prefix) plus the tokens already queued on it;
+                  decode:  most of the prompt's leading blocks held (they need no transfer),
+                           then least loaded;
+                  both under a bounded-load cap: a node takes a request only while its
+                  in-flight count stays within `load_factor` x the role's mean, so a popular
+                  prefix spreads instead of piling onto one node.
+Without the index (Redis away) prefix_aware sees no cached blocks and routes by load alone.
 
 Heartbeats refresh the registry's load once a second; between beats a burst of requests
 would all see the same numbers and pile onto one node, so the router adds the requests it
-has itself sent to each node and not yet seen finish (`in_flight`).
+has itself sent to each node and not yet seen finish (`in_flight`, `in_flight_tokens`).
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
+import math
 from collections import Counter
+from dataclasses import dataclass
 
+from prometheus_client import Counter as MetricCounter
+
+from cluster.kv_index import KvIndexReader
 from cluster.registry import NodeInfo, RegistryView
+from engine.block_hash import hash_token_blocks
+
+ROUTING_DECISIONS = MetricCounter(
+    "pdserve_gateway_routing_decisions", "Nodes picked, by policy, role and why", ["policy", "role", "node_id", "reason"]
+)
+
+
+class RoutingPolicy(str, enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOAD = "least_load"
+    PREFIX_AWARE = "prefix_aware"
+
+
+@dataclass(frozen=True)
+class Route:
+    """The nodes one attempt uses; `prefill` is None for a colocated node. The predicted
+    cached-block counts come from the KV index (0 when unknown)."""
+
+    prefill: NodeInfo | None
+    decode: NodeInfo
+    predicted_prefill_cached_blocks: int = 0
+    predicted_decode_cached_blocks: int = 0
+
+    @property
+    def nodes(self) -> list[NodeInfo]:
+        return [n for n in (self.prefill, self.decode) if n is not None]
 
 
 class Router:
-    """Mutates only its in-flight counters."""
+    """Mutates only its in-flight counters and round-robin positions."""
 
-    def __init__(self, registry: RegistryView) -> None:
+    def __init__(
+        self,
+        registry: RegistryView,
+        policy: RoutingPolicy = RoutingPolicy.PREFIX_AWARE,
+        kv_index: KvIndexReader | None = None,
+        load_factor: float = 1.25,
+    ) -> None:
+        if load_factor < 1.0:
+            raise ValueError(f"load_factor must be >= 1, got {load_factor}")
         self.registry = registry
+        self.policy = RoutingPolicy(policy)
+        self.kv_index = kv_index
+        self.load_factor = load_factor
         self.in_flight: Counter[str] = Counter()
+        self.in_flight_tokens: Counter[str] = Counter()  # prompt tokens sent to a prefill node, not yet done
+        self._turns: dict[str, itertools.count] = {}
 
     def candidates(self, role: str, exclude: set[str] = frozenset()) -> list[NodeInfo]:
         return [n for n in self.registry.nodes(role) if n.node_id not in exclude]
 
-    def pick_prefill(self, exclude: set[str] = frozenset()) -> NodeInfo | None:
-        nodes = self.candidates("prefill", exclude)
-        return min(nodes, key=lambda n: (n.load.num_waiting_tokens + 1000 * self.in_flight[n.node_id], n.node_id), default=None)
+    async def route(self, prompt_token_ids: list[int], exclude: set[str] = frozenset()) -> Route | None:
+        """The nodes for one attempt, or None if no usable set is registered."""
+        colocated = self.candidates("colocated", exclude)
+        prefills, decodes = self.candidates("prefill", exclude), self.candidates("decode", exclude)
+        if colocated:
+            prefills, decodes = [], colocated
+        elif not (prefills and decodes):
+            return None
+        cached = await self._cached_blocks(prefills + decodes, prompt_token_ids)
+        decode, decode_reason = self._pick_decode(decodes, cached)
+        if not prefills:
+            self._count("colocated", decode, decode_reason)
+            return Route(None, decode, 0, cached.get(decode.node_id, 0))
+        prefill, prefill_reason = self._pick_prefill(prefills, cached, len(prompt_token_ids))
+        self._count("prefill", prefill, prefill_reason)
+        self._count("decode", decode, decode_reason)
+        return Route(prefill, decode, cached.get(prefill.node_id, 0), cached.get(decode.node_id, 0))
 
-    def pick_decode(self, role: str = "decode", exclude: set[str] = frozenset()) -> NodeInfo | None:
-        nodes = self.candidates(role, exclude)
-        return min(
-            nodes,
-            key=lambda n: (n.load.num_running + self.in_flight[n.node_id], -n.load.num_free_blocks, n.node_id),
-            default=None,
-        )
+    def acquire(self, route: Route, num_prompt_tokens: int) -> None:
+        for node in route.nodes:
+            self.in_flight[node.node_id] += 1
+        if route.prefill is not None:
+            uncached = num_prompt_tokens - route.predicted_prefill_cached_blocks * route.prefill.capacity.block_size
+            self.in_flight_tokens[route.prefill.node_id] += max(uncached, 1)
 
-    def acquire(self, node: NodeInfo) -> None:
-        self.in_flight[node.node_id] += 1
+    def prefill_done(self, route: Route, num_prompt_tokens: int) -> None:
+        if route.prefill is not None:
+            uncached = num_prompt_tokens - route.predicted_prefill_cached_blocks * route.prefill.capacity.block_size
+            _decrement(self.in_flight_tokens, route.prefill.node_id, max(uncached, 1))
 
-    def release(self, node: NodeInfo) -> None:
-        self.in_flight[node.node_id] -= 1
-        if self.in_flight[node.node_id] <= 0:
-            del self.in_flight[node.node_id]
+    def release(self, route: Route) -> None:
+        for node in route.nodes:
+            _decrement(self.in_flight, node.node_id, 1)
+
+    async def _cached_blocks(self, nodes: list[NodeInfo], prompt_token_ids: list[int]) -> dict[str, int]:
+        """node_id -> leading prompt blocks cached there, for every candidate in one Redis round trip."""
+        if self.policy != RoutingPolicy.PREFIX_AWARE or self.kv_index is None:
+            return {}
+        cached: dict[str, int] = {}
+        for (block_size, model), group in _group_by_cache_layout(nodes).items():
+            hashes = hash_token_blocks(prompt_token_ids, block_size, extra_key=model)
+            cached |= await self.kv_index.cached_prefix_blocks(group, hashes)
+        return cached
+
+    def _pick_prefill(self, nodes: list[NodeInfo], cached: dict[str, int], num_tokens: int) -> tuple[NodeInfo, str]:
+        if self.policy == RoutingPolicy.ROUND_ROBIN:
+            return self._next_in_turn("prefill", nodes), "turn"
+        if self.policy == RoutingPolicy.LEAST_LOAD:
+            return min(nodes, key=lambda n: (self._queued_tokens(n), n.node_id)), "load"
+
+        def work(node: NodeInfo) -> int:
+            # At least one token is always computed (its logits give the first token).
+            computable_blocks = (num_tokens - 1) // node.capacity.block_size
+            uncached = num_tokens - min(cached.get(node.node_id, 0), computable_blocks) * node.capacity.block_size
+            return uncached + self._queued_tokens(node)
+
+        return self._least_within_cap(nodes, lambda n: (work(n), n.node_id), cached)
+
+    def _pick_decode(self, nodes: list[NodeInfo], cached: dict[str, int]) -> tuple[NodeInfo, str]:
+        role = nodes[0].role
+        if self.policy == RoutingPolicy.ROUND_ROBIN:
+            return self._next_in_turn(role, nodes), "turn"
+        if self.policy == RoutingPolicy.LEAST_LOAD:
+            return min(nodes, key=lambda n: (*self._decode_load(n), n.node_id)), "load"
+        return self._least_within_cap(nodes, lambda n: (-cached.get(n.node_id, 0), *self._decode_load(n), n.node_id), cached)
+
+    def _least_within_cap(self, nodes: list[NodeInfo], cost, cached: dict[str, int]) -> tuple[NodeInfo, str]:
+        """The cheapest node whose in-flight count stays within the bounded-load cap."""
+        cap = math.ceil(self.load_factor * (sum(self.in_flight[n.node_id] for n in nodes) + 1) / len(nodes))
+        within = [n for n in nodes if self.in_flight[n.node_id] + 1 <= cap]
+        best = min(within, key=cost)
+        unbounded_best = min(nodes, key=cost)
+        if best is not unbounded_best:
+            return best, "load_cap"
+        return best, "prefix" if cached.get(best.node_id, 0) > 0 else "load"
+
+    def _queued_tokens(self, node: NodeInfo) -> int:
+        # The node's own report is up to a heartbeat old; this gateway's count is current.
+        return max(node.load.num_waiting_tokens, self.in_flight_tokens[node.node_id])
+
+    def _decode_load(self, node: NodeInfo) -> tuple[int, int]:
+        return node.load.num_running + self.in_flight[node.node_id], -node.load.num_free_blocks
+
+    def _next_in_turn(self, role: str, nodes: list[NodeInfo]) -> NodeInfo:
+        turn = next(self._turns.setdefault(role, itertools.count()))
+        return nodes[turn % len(nodes)]
+
+    def _count(self, role: str, node: NodeInfo, reason: str) -> None:
+        ROUTING_DECISIONS.labels(self.policy.value, role, node.node_id, reason).inc()
+
+
+def _group_by_cache_layout(nodes: list[NodeInfo]) -> dict[tuple[int, str], list[NodeInfo]]:
+    """Nodes whose block hashes are comparable: same block size and model (the hash's extra key)."""
+    groups: dict[tuple[int, str], list[NodeInfo]] = {}
+    for node in nodes:
+        groups.setdefault((node.capacity.block_size, node.model), []).append(node)
+    return groups
+
+
+def _decrement(counter: Counter[str], key: str, amount: int) -> None:
+    counter[key] -= amount
+    if counter[key] <= 0:
+        del counter[key]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from gateway.dependencies import BackendDep, RequestIdDep, ServedModelDep
 from gateway.errors import RequestError
@@ -31,7 +31,7 @@ router = APIRouter(tags=["chat"])
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=streamed_responses(ChatCompletionChunk))
 async def create_chat_completion(
-    body: ChatCompletionRequest, request: Request, backend: BackendDep, served_model: ServedModelDep, request_id: RequestIdDep
+    body: ChatCompletionRequest, request: Request, response: Response, backend: BackendDep, served_model: ServedModelDep, request_id: RequestIdDep
 ):
     check_model(served_model, body.model)
     tokenizer = served_model.tokenizer
@@ -50,7 +50,7 @@ async def create_chat_completion(
     header = {"id": response_id, "created": int(time.time()), "model": served_model.name}
     if body.stream:
         events = _chat_events(stream, header, tokenizer, usage, body.n, body.include_usage, bool(body.logprobs))
-        return SSEResponse(end_with_done(events), on_close=stream.aclose)
+        return SSEResponse(end_with_done(events), on_close=stream.aclose, headers=stream.route_headers())
     results = await collect_choices(request, stream, len(specs), usage)
     choices = [
         ChatChoice(
@@ -61,6 +61,7 @@ async def create_chat_completion(
         )
         for index, result in enumerate(results)
     ]
+    response.headers.update(stream.route_headers())
     return ChatCompletionResponse(**header, choices=choices, usage=usage.usage())
 
 

@@ -6,7 +6,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from gateway.dependencies import BackendDep, RequestIdDep, ServedModelDep
 from gateway.errors import RequestError
@@ -26,7 +26,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=streamed_responses(CompletionChunk))
 async def create_completion(
-    body: CompletionRequest, request: Request, backend: BackendDep, served_model: ServedModelDep, request_id: RequestIdDep
+    body: CompletionRequest, request: Request, response: Response, backend: BackendDep, served_model: ServedModelDep, request_id: RequestIdDep
 ):
     check_model(served_model, body.model)
     tokenizer = served_model.tokenizer
@@ -45,7 +45,7 @@ async def create_completion(
     header = {"id": response_id, "created": int(time.time()), "model": served_model.name}
     if body.stream:
         events = _completion_events(stream, header, tokenizer, usage, body.include_usage, body.logprobs is not None)
-        return SSEResponse(end_with_done(events), on_close=stream.aclose)
+        return SSEResponse(end_with_done(events), on_close=stream.aclose, headers=stream.route_headers())
     results = await collect_choices(request, stream, len(specs), usage)
     choices = [
         CompletionChoice(
@@ -56,6 +56,7 @@ async def create_completion(
         )
         for index, result in enumerate(results)
     ]
+    response.headers.update(stream.route_headers())
     return CompletionResponse(**header, choices=choices, usage=usage.usage())
 
 
