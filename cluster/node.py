@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.kv_index import KvIndexPublisher
-from cluster.registry import NodeCapacity, NodeInfo, NodeLoad, NodeRegistration
+from cluster.registry import NodeCapacity, NodeInfo, NodeLoad, NodeRegistration, NodeStats
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -111,7 +111,7 @@ async def _serve(role, settings, add_servicers, async_engine, stop_requested, si
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     registration = NodeRegistration(
         settings.redis_url, _node_info(role, settings, engine, port), lambda: NodeLoad(**async_engine.load),
-        interval_s=settings.heartbeat_s, ttl_s=settings.ttl_s,
+        interval_s=settings.heartbeat_s, ttl_s=settings.ttl_s, stats_fn=lambda: _node_stats(engine, resources),
     )
     await registration.start()
     kv_index = KvIndexPublisher(
@@ -128,6 +128,13 @@ async def _serve(role, settings, add_servicers, async_engine, stop_requested, si
     await server.stop(grace=2.0)
     if hasattr(resources, "close"):
         await resources.close()
+
+
+def _node_stats(engine: LLMEngine, resources) -> NodeStats:
+    # Plain int reads from the engine thread's counters: a heartbeat may lag a step, never tear.
+    cache = engine.kv_cache_manager
+    transfer = resources.stats() if hasattr(resources, "stats") else {}
+    return NodeStats(prefix_query_tokens=cache.num_prefix_queries, prefix_hit_tokens=cache.num_prefix_hits, **transfer)
 
 
 def _node_info(role: str, settings: NodeSettings, engine: LLMEngine, port: int) -> NodeInfo:

@@ -3,7 +3,8 @@
 Each node owns one key, `pdserve:node:{node_id}`, holding its `NodeInfo` as JSON with a TTL.
 
 Node side (`NodeRegistration`):
-    1. start(): write the key once, then every `interval_s` rewrite it with fresh load and `EX ttl`
+    1. start(): write the key once, then every `interval_s` rewrite it with fresh load and
+       stats and `EX ttl`
     2. a node that dies stops beating; its key expires `ttl_s` later and it leaves every view
     3. stop(): delete the key, but only if it still holds this incarnation (a restarted node with
        the same node_id may already have replaced it)
@@ -57,6 +58,17 @@ class NodeLoad(BaseModel):
     num_pending_transfers: int = 0
 
 
+class NodeStats(BaseModel):
+    """Counters since the node started: its prefix-cache hit rate and the KV it received."""
+
+    model_config = ConfigDict(frozen=True)
+
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, found cached
+    kv_blocks_received: int = 0  # decode: blocks filled by pushed pages (gRPC or shared memory)
+    kv_bytes_received: int = 0  # decode: page bytes that came over gRPC
+
+
 class NodeCapacity(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -77,6 +89,7 @@ class NodeInfo(BaseModel):
     model: str
     capacity: NodeCapacity
     load: NodeLoad = NodeLoad()
+    stats: NodeStats = NodeStats()
     incarnation: str = Field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = Field(default_factory=time.time)
     updated_at: float = Field(default_factory=time.time)
@@ -174,6 +187,7 @@ class NodeRegistration:
         load_fn: Callable[[], NodeLoad],
         interval_s: float = DEFAULT_INTERVAL_S,
         ttl_s: float = DEFAULT_TTL_S,
+        stats_fn: Callable[[], NodeStats] = NodeStats,
     ):
         if ttl_s <= interval_s:
             raise ValueError(f"ttl_s ({ttl_s}) must exceed interval_s ({interval_s}), e.g. ttl_s = 3 * interval_s")
@@ -181,6 +195,7 @@ class NodeRegistration:
         self.interval_s = interval_s
         self.ttl_s = ttl_s
         self._load_fn = load_fn
+        self._stats_fn = stats_fn
         self._client = redis_client(redis_url)
         self._failures = FailureStreak(f"heartbeat of node {node_info.node_id}")
         self._heartbeat = Periodic(self.beat, interval_s, f"heartbeat-{node_info.node_id}")
@@ -203,7 +218,7 @@ class NodeRegistration:
     async def beat(self) -> bool:
         """Write the key once with fresh load; returns whether it was written."""
         try:
-            info = self.node_info.model_copy(update={"load": self._load_fn(), "updated_at": time.time()})
+            info = self.node_info.model_copy(update={"load": self._load_fn(), "stats": self._stats_fn(), "updated_at": time.time()})
             await self._client.set(info.key, info.to_json(), px=int(self.ttl_s * 1000))
         except Exception as error:  # noqa: BLE001 - a broken beat must never take the node down
             self._failures.failed(error)

@@ -46,6 +46,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.shared_kv = shared_kv  # kvtransfer.shm_transport.SharedKvCache, when offered
         self.host_id = host_id
 
+    def stats(self) -> dict[str, int]:
+        """Transfer counters for the registry (cluster.registry.NodeStats)."""
+        return {"kv_blocks_received": self.receiver.num_blocks_received, "kv_bytes_received": self.receiver.num_bytes_received}
+
     async def close(self) -> None:
         if self.shared_kv is not None:
             self.shared_kv.unlink()

@@ -144,7 +144,8 @@ class KvReceiver:
         self.block_bytes = sample[0].numel() * sample.element_size()
         self.dtype = sample.dtype
         self.reservations: dict[str, _Reservation] = {}
-        self.num_bytes_received = 0
+        self.num_bytes_received = 0  # over the gRPC stream
+        self.num_blocks_received = 0  # committed blocks, by either transport
 
     def reserve(self, request_id: str, block_ids: list[int]) -> None:
         self.reservations[request_id] = _Reservation(list(block_ids))
@@ -179,6 +180,7 @@ class KvReceiver:
             raise TransferError(error)
         reservation.commit = commit
         reservation.status = TransferStatus.DONE
+        self.num_blocks_received += len(reservation.block_ids)
         reservation.done.set()
 
     def fail(self, request_id: str, reason: str) -> None:

@@ -156,3 +156,20 @@ def test_reset_prefix_cache_forgets_every_hash():
     assert free_ids(pool) == [2, 1]
     pool.get_new_blocks(2)
     assert pool.num_evictions == 0
+
+
+def test_changes_are_recorded_only_once_tracking_starts_and_the_last_change_wins():
+    pool = BlockPool(3)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_full_block(a, b"h-a")
+    assert pool.drain_changes() == ([], [])  # not tracking yet
+    assert pool.track_changes() == [b"h-a"]  # the snapshot to publish first
+    pool.cache_full_block(b, b"h-b")
+    pool.cache_full_block(c, b"h-c")
+    pool.free_blocks([c, b, a])
+    pool.get_new_blocks(1)  # evicts c, the first freed
+    assert pool.drain_changes() == ([b"h-b"], [b"h-c"])
+    assert pool.drain_changes() == ([], [])
+    pool.get_new_blocks(1)  # evicts b: stored then removed within one drain nets out as removed
+    pool.reset_prefix_cache()
+    assert sorted(pool.drain_changes()[1]) == [b"h-a", b"h-b"]
