@@ -25,6 +25,7 @@ BENCH_KIND_TO_MODULE = {
     "compare": "bench.compare",
     "transfer": "bench.transfer",
     "interference": "bench.interference",
+    "routing": "bench.routing",
 }
 
 
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kinds.add_parser("compare", help="pdserve clusters and transformers peers side by side", add_help=False)
     bench_kinds.add_parser("transfer", help="KV transfer bandwidth: gRPC, shared memory, memcpy", add_help=False)
     bench_kinds.add_parser("interference", help="decode ITL under long prompts; TTFT: disaggregated vs colocated", add_help=False)
+    bench_kinds.add_parser("routing", help="prefix_aware vs round_robin routing on shared prefixes: TTFT, hit rate", add_help=False)
     return parser
 
 

@@ -51,6 +51,7 @@ class LaunchPlan:
     redis_url: str | None = None  # None: start an embedded Redis
     colocated: bool = False  # one colocated node instead of prefill + decode nodes
     node_args: tuple[str, ...] = ()  # appended to every node's command (engine flags)
+    prefill_args: tuple[str, ...] = ()  # appended after node_args for prefill nodes only
     gateway_args: tuple[str, ...] = ()  # appended to the gateway's command
     ready_timeout_s: float = 300.0
     log_dir: str | None = None
@@ -171,7 +172,8 @@ class Launcher:
         for role, port in zip(roles, ports):
             index = role_counts[role] = role_counts.get(role, -1) + 1
             name = f"{role}-{index}"
-            specs.append(ChildSpec(name, role, plan.model, NODE_HOST, port, self.redis_url, num_threads, plan.node_args))
+            args = plan.node_args + (plan.prefill_args if role == "prefill" else ())
+            specs.append(ChildSpec(name, role, plan.model, NODE_HOST, port, self.redis_url, num_threads, args))
         gateway = ChildSpec("gateway", "gateway", plan.model, plan.host, plan.port, self.redis_url, None, plan.gateway_args)
         return specs + [gateway]
 
