@@ -108,10 +108,11 @@ def _synthetic(config: WorkloadConfig, tag: str, index: int) -> Conversation:
 
 
 def _shared_prefix(config: WorkloadConfig, tag: str, index: int) -> Conversation:
-    # Requests take the K prefixes in turn, so every prefix is shared by every K-th request.
-    prefix_index = index % config.num_prefixes
-    system_prompt = random_words(_rng(config, tag, f"prefix{prefix_index}"), config.prefix_len)
+    # Each request draws one of the K prefixes at random (seeded): taking them in turn would
+    # line up with a round-robin router's turns and hand it perfect cache affinity for free.
     rng = _rng(config, tag, str(index))
+    prefix_index = rng.randrange(config.num_prefixes)
+    system_prompt = random_words(_rng(config, tag, f"prefix{prefix_index}"), config.prefix_len)
     question = f"Question {index}: " + random_words(rng, config.question_len)
     turn = ({"role": "system", "content": system_prompt}, user(question))
     return Conversation(index, (turn,), (sample_length(rng, config.output_len, config.range_ratio),))

@@ -44,18 +44,19 @@ def test_streams_are_seeded_by_seed_tag_and_index():
 
 def test_shared_prefix_requests_share_their_system_prompt_and_differ_after_it():
     config = WorkloadConfig(kind="shared-prefix", num_prefixes=3, prefix_len=40, question_len=6, output_len=5)
-    conversations = take(config, 7)
+    conversations = take(config, 30)
+    assert conversations == take(config, 30)  # seeded
     system_prompts = [c.turns[0][0]["content"] for c in conversations]
     questions = [c.turns[0][1]["content"] for c in conversations]
-    assert [c.turns[0][0]["role"] for c in conversations] == ["system"] * 7
+    assert [c.turns[0][0]["role"] for c in conversations] == ["system"] * 30
     assert all(len(prompt.split()) == 40 for prompt in system_prompts)
-    assert len(set(system_prompts)) == 3
-    assert system_prompts[0] == system_prompts[3] == system_prompts[6] != system_prompts[1]
-    assert len(set(questions)) == 7
+    assert len(set(system_prompts)) == 3  # every prefix drawn, each by several requests
+    assert len(set(questions)) == 30
     # Through the completions endpoint the system prompt is a prefix of the whole prompt.
+    first, same = 0, system_prompts.index(system_prompts[0], 1)
     prompts = [completion_prompt(turn_messages(c, 0, [])) for c in conversations]
-    assert prompts[0].startswith(system_prompts[0] + "\n\n") and prompts[3].startswith(system_prompts[0] + "\n\n")
-    assert prompts[0] != prompts[3]
+    assert prompts[first].startswith(system_prompts[0] + "\n\n") and prompts[same].startswith(system_prompts[0] + "\n\n")
+    assert prompts[first] != prompts[same]
 
 
 def test_multi_turn_prompts_grow_and_hold_every_earlier_turn_and_reply():
