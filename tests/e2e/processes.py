@@ -36,9 +36,9 @@ class ProcessGroup:
         return self.start(name, role, "--model", model, "--redis-url", redis_url, "--node-id", name,
                           "--num-threads", "1", "--kv-cache-gib", "0.05", *extra)
 
-    def start_gateway(self, model: str, redis_url: str) -> str:
+    def start_gateway(self, model: str, redis_url: str, *extra: str) -> str:
         port = free_port()
-        self.start("gateway", "gateway", "--model", model, "--port", str(port), "--redis-url", redis_url)
+        self.start("gateway", "gateway", "--model", model, "--port", str(port), "--redis-url", redis_url, *extra)
         return f"http://127.0.0.1:{port}"
 
     def log(self, name: str) -> str:

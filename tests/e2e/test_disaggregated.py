@@ -35,7 +35,9 @@ def cluster(tmp_path_factory):
             group.start_node("prefill", "prefill-0", model, embedded.url)
             group.start_node("decode", "decode-0", model, embedded.url)
             group.start_node("decode", "decode-1", model, embedded.url)
-            base_url = group.start_gateway(model, embedded.url)
+            # Load-based routing: these tests are about nodes joining and leaving. (prefix_aware
+            # would keep chats on the decode nodes that already cache the chat template's blocks.)
+            base_url = group.start_gateway(model, embedded.url, "--router-policy", "least_load")
             wait_until(lambda: num_registered(embedded.url) == 3, 120, "3 nodes to register")
             wait_until(lambda: healthy(base_url), 60, "the gateway to be healthy")
             time.sleep(1.0)  # the gateway's registry snapshot refreshes every 0.5 s: let it see all 3
