@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.client import ClientConfig
 from bench.metrics import Distribution
@@ -51,11 +52,12 @@ class PolicyResult:
 
 def prefill_token_counters(base_url: str) -> tuple[float, float]:
     """(prompt tokens, cached prompt tokens) the gateway sent to and got back from prefill nodes."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10, follow_redirects=True).text
     totals = {"pdserve_gateway_prefill_prompt_tokens_total": 0.0, "pdserve_gateway_prefill_cached_tokens_total": 0.0}
-    for line in httpx.get(f"{base_url}/metrics", timeout=10, follow_redirects=True).text.splitlines():
-        name = line.split("{", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
     return totals["pdserve_gateway_prefill_prompt_tokens_total"], totals["pdserve_gateway_prefill_cached_tokens_total"]
 
 

@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    # The names of gateway.settings.RoutingPolicy, spelled out: the CLI must not import the gateway to parse.
     parser.add_argument("--router-policy", choices=["round_robin", "least_load", "prefix_aware"], default="prefix_aware",
                         help="prefix_aware: where the prompt's prefix is cached, within a load cap")
     parser.add_argument("--router-load-factor", type=float, default=1.25,

@@ -108,7 +108,7 @@ def _apply(pipeline, key: str, changes) -> None:
         pipeline.delete(key)
     if changes.stored:
         pipeline.sadd(key, *changes.stored)
-    if changes.removed and not changes.full:
+    if changes.removed:  # a full snapshot has none
         pipeline.srem(key, *changes.removed)
 
 

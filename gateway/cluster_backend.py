@@ -25,7 +25,7 @@ from cluster.kv_index import KvIndexReader
 from cluster.registry import NodeInfo, RegistryView
 from engine.sampling_params import SamplingParams
 from gateway.backend import BackendError, BackendErrorKind, GenerationChunk
-from gateway.router import Route, Router, RoutingPolicy
+from gateway.router import Route, Router
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from protos.convert import logprob_from_proto, sampling_params_to_proto
 
@@ -184,7 +184,7 @@ async def serve_cluster_gateway(settings) -> None:
     registry = RegistryView(settings.redis_url)
     await registry.start()
     kv_index = KvIndexReader(settings.redis_url)
-    router = Router(registry, RoutingPolicy(settings.router_policy), kv_index, settings.router_load_factor)
+    router = Router(registry, settings.router_policy, kv_index, settings.router_load_factor)
     backend = ClusterBackend(registry, router)
     try:
         await serve_gateway(settings, backend)

@@ -20,7 +20,6 @@ has itself sent to each node and not yet seen finish (`in_flight`, `in_flight_to
 
 from __future__ import annotations
 
-import enum
 import itertools
 import math
 from collections import Counter
@@ -31,16 +30,11 @@ from prometheus_client import Counter as MetricCounter
 from cluster.kv_index import KvIndexReader
 from cluster.registry import NodeInfo, RegistryView
 from engine.block_hash import hash_token_blocks
+from gateway.settings import RoutingPolicy
 
 ROUTING_DECISIONS = MetricCounter(
     "pdserve_gateway_routing_decisions", "Nodes picked, by policy, role and why", ["policy", "role", "node_id", "reason"]
 )
-
-
-class RoutingPolicy(str, enum.Enum):
-    ROUND_ROBIN = "round_robin"
-    LEAST_LOAD = "least_load"
-    PREFIX_AWARE = "prefix_aware"
 
 
 @dataclass(frozen=True)
@@ -103,13 +97,13 @@ class Router:
         for node in route.nodes:
             self.in_flight[node.node_id] += 1
         if route.prefill is not None:
-            uncached = num_prompt_tokens - route.predicted_prefill_cached_blocks * route.prefill.capacity.block_size
-            self.in_flight_tokens[route.prefill.node_id] += max(uncached, 1)
+            uncached = _uncached_tokens(route.prefill, route.predicted_prefill_cached_blocks, num_prompt_tokens)
+            self.in_flight_tokens[route.prefill.node_id] += uncached
 
     def prefill_done(self, route: Route, num_prompt_tokens: int) -> None:
         if route.prefill is not None:
-            uncached = num_prompt_tokens - route.predicted_prefill_cached_blocks * route.prefill.capacity.block_size
-            _decrement(self.in_flight_tokens, route.prefill.node_id, max(uncached, 1))
+            uncached = _uncached_tokens(route.prefill, route.predicted_prefill_cached_blocks, num_prompt_tokens)
+            _decrement(self.in_flight_tokens, route.prefill.node_id, uncached)
 
     def release(self, route: Route) -> None:
         for node in route.nodes:
@@ -132,10 +126,7 @@ class Router:
             return min(nodes, key=lambda n: (self._queued_tokens(n), n.node_id)), "load"
 
         def work(node: NodeInfo) -> int:
-            # At least one token is always computed (its logits give the first token).
-            computable_blocks = (num_tokens - 1) // node.capacity.block_size
-            uncached = num_tokens - min(cached.get(node.node_id, 0), computable_blocks) * node.capacity.block_size
-            return uncached + self._queued_tokens(node)
+            return _uncached_tokens(node, cached.get(node.node_id, 0), num_tokens) + self._queued_tokens(node)
 
         return self._least_within_cap(nodes, lambda n: (work(n), n.node_id), cached)
 
@@ -170,6 +161,12 @@ class Router:
 
     def _count(self, role: str, node: NodeInfo, reason: str) -> None:
         ROUTING_DECISIONS.labels(self.policy.value, role, node.node_id, reason).inc()
+
+
+def _uncached_tokens(node: NodeInfo, cached_blocks: int, num_prompt_tokens: int) -> int:
+    """Prompt tokens the node would compute: at least one, whose logits give the first token."""
+    usable_blocks = min(cached_blocks, (num_prompt_tokens - 1) // node.capacity.block_size)
+    return num_prompt_tokens - usable_blocks * node.capacity.block_size
 
 
 def _group_by_cache_layout(nodes: list[NodeInfo]) -> dict[tuple[int, str], list[NodeInfo]]:

@@ -3,12 +3,20 @@ and passed down."""
 
 from __future__ import annotations
 
-from typing import Literal
+import enum
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.model_loader import DEFAULT_MODEL
+
+
+class RoutingPolicy(str, enum.Enum):
+    """How the router picks nodes (gateway/router.py)."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOAD = "least_load"
+    PREFIX_AWARE = "prefix_aware"
 
 
 class GatewaySettings(BaseSettings):
@@ -20,9 +28,7 @@ class GatewaySettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     redis_url: str | None = Field(None, description="the cluster's Redis; default: the embedded one")
     max_model_len: int | None = Field(None, ge=1, description="prompt + output tokens; default: config.json max_position_embeddings")
-    router_policy: Literal["round_robin", "least_load", "prefix_aware"] = Field(
-        "prefix_aware", description="how prefill and decode nodes are picked (gateway/router.py)"
-    )
+    router_policy: RoutingPolicy = Field(RoutingPolicy.PREFIX_AWARE, description="how prefill and decode nodes are picked")
     router_load_factor: float = Field(1.25, ge=1.0, description="bounded-load cap: no node above this factor x the mean in-flight load")
     log_level: str = "info"
     access_log: bool = Field(False, description="one log line per HTTP request")

@@ -48,14 +48,21 @@ def destination_of(request: prefill_pb2.PrefillRequest) -> KvDestination:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Push:
+    """One request's transfer: its stream, and how many leading blocks the decode node holds
+    already (delta transfer: those are not sent)."""
+
+    stream: KvStream
+    num_skipped_blocks: int = 0
+
+
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, async_engine: AsyncEngine, sender: KvSender) -> None:
         self.async_engine = async_engine
         self.sender = sender
         self.kv_caches = async_engine.engine.model_runner.kv_caches
-        self.streams: dict[str, KvStream] = {}  # read by the engine thread between layers
-        # Leading blocks each request's decode node holds already (delta transfer): not pushed.
-        self.num_skipped_blocks: dict[str, int] = {}
+        self.pushes: dict[str, _Push] = {}  # read by the engine thread between layers
         self._commits: set[asyncio.Task] = set()
         self.num_push_failures = 0
         async_engine.engine.on_layer_computed = self._on_layer_computed
@@ -67,15 +74,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         try:
-            self.num_skipped_blocks[rid] = request.decode_num_cached_blocks
-            self.streams[rid] = self.sender.open_stream(destination_of(request), self.kv_caches, rid)
+            stream = self.sender.open_stream(destination_of(request), self.kv_caches, rid)
+            self.pushes[rid] = _Push(stream, request.decode_num_cached_blocks)
         except TransferError as error:
-            self.num_skipped_blocks.pop(rid)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         try:
             output = await self._first_token(rid, list(request.prompt_token_ids), params, context)
         except BaseException:
-            self._drop_stream(rid).cancel()
+            self.pushes.pop(rid).stream.cancel()
             raise
         token_id = output.new_token_ids[0]
         logprob = output.new_logprobs[0] if output.new_logprobs else None
@@ -83,7 +89,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if reason is None:
             self._start_commit(rid, KvCommit(rid, token_id, logprob))
         else:
-            self._drop_stream(rid).cancel()
+            self.pushes.pop(rid).stream.cancel()
             self.async_engine.submit(lambda engine: engine.release_kv(rid))
         response = prefill_pb2.PrefillResponse(
             first_token_id=token_id, finished=reason is not None, finish_reason=reason or "", num_cached_tokens=output.num_cached_tokens
@@ -95,11 +101,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def _on_layer_computed(self, layer: int, completing) -> None:
         """Engine thread, between two layers: hand this layer's pages to each request's stream."""
         for request, block_ids in completing:
-            stream = self.streams.get(request.request_id)
-            if stream is None:
+            push = self.pushes.get(request.request_id)
+            if push is None:
                 continue
             try:
-                stream.send_layer(layer, block_ids[self.num_skipped_blocks.get(request.request_id, 0) :])
+                push.stream.send_layer(layer, block_ids[push.num_skipped_blocks :])
             except Exception:  # a broken transfer must not break the batch: its commit will fail
                 logger.exception("sending layer %d of %s failed", layer, request.request_id)
 
@@ -126,17 +132,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def _commit(self, rid: str, commit: KvCommit) -> None:
         try:
-            await self.streams[rid].commit(commit)
+            await self.pushes[rid].stream.commit(commit)
         except (TransferError, asyncio.CancelledError) as error:
             self.num_push_failures += 1
             logger.warning("KV transfer of %s failed: %s", rid, error)
         finally:
-            self._drop_stream(rid)
+            self.pushes.pop(rid, None)
             self.async_engine.submit(lambda engine: engine.release_kv(rid))
-
-    def _drop_stream(self, rid: str) -> KvStream | None:
-        self.num_skipped_blocks.pop(rid, None)
-        return self.streams.pop(rid, None)
 
     async def close(self) -> None:
         for task in list(self._commits):

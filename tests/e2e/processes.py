@@ -7,11 +7,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
+import redis
 
 from cluster.embedded_redis import free_port
+from cluster.registry import node_key
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,6 +43,18 @@ class ProcessGroup:
         port = free_port()
         self.start("gateway", "gateway", "--model", model, "--port", str(port), "--redis-url", redis_url, *extra)
         return f"http://127.0.0.1:{port}"
+
+    def start_cluster(self, model: str, redis_url: str, nodes: Sequence[tuple[str, ...]], *gateway_args: str) -> str:
+        """Starts `(role, name, *flags)` nodes and the gateway; returns the gateway's URL once
+        every node is registered in Redis and the gateway is healthy."""
+        for role, name, *extra in nodes:
+            self.start_node(role, name, model, redis_url, *extra)
+        base_url = self.start_gateway(model, redis_url, *gateway_args)
+        client = redis.Redis.from_url(redis_url)
+        names = [node[1] for node in nodes]
+        wait_until(lambda: all(client.exists(node_key(name)) for name in names), 120, f"{len(names)} nodes to register")
+        wait_until(lambda: healthy(base_url), 60, "the gateway to be healthy")
+        return base_url
 
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text()

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from cluster.embedded_redis import EmbeddedRedis
-from tests.e2e.processes import REPO_ROOT, ProcessGroup, healthy, routed_counts, wait_until
+from tests.e2e.processes import REPO_ROOT, ProcessGroup, routed_counts, wait_until
 from tests.factories import build_tiny_chat_model
 
 QUESTIONS = [f"Question {i}: tell me about the number {i * 7}." for i in range(16)]
@@ -32,14 +32,10 @@ def cluster(tmp_path_factory):
     group = ProcessGroup(tmp_path_factory.mktemp("logs"))
     with EmbeddedRedis() as embedded:
         try:
-            group.start_node("prefill", "prefill-0", model, embedded.url)
-            group.start_node("decode", "decode-0", model, embedded.url)
-            group.start_node("decode", "decode-1", model, embedded.url)
+            nodes = [("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1")]
             # Load-based routing: these tests are about nodes joining and leaving. (prefix_aware
             # would keep chats on the decode nodes that already cache the chat template's blocks.)
-            base_url = group.start_gateway(model, embedded.url, "--router-policy", "least_load")
-            wait_until(lambda: num_registered(embedded.url) == 3, 120, "3 nodes to register")
-            wait_until(lambda: healthy(base_url), 60, "the gateway to be healthy")
+            base_url = group.start_cluster(model, embedded.url, nodes, "--router-policy", "least_load")
             time.sleep(1.0)  # the gateway's registry snapshot refreshes every 0.5 s: let it see all 3
             yield {"model": model, "redis_url": embedded.url, "base_url": base_url, "group": group}
         finally:
@@ -121,11 +117,7 @@ def test_other_topologies_serve_the_same_greedy_output(tmp_path, nodes):
     group = ProcessGroup(tmp_path / "logs")
     with EmbeddedRedis() as embedded:
         try:
-            for role, name, *extra in nodes:
-                group.start_node(role, name, model, embedded.url, *extra)
-            base_url = group.start_gateway(model, embedded.url)
-            wait_until(lambda: num_registered(embedded.url) == len(nodes), 120, "the nodes to register")
-            wait_until(lambda: healthy(base_url), 60, "the gateway to be healthy")
+            base_url = group.start_cluster(model, embedded.url, nodes)
 
             async def chats():
                 api = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)

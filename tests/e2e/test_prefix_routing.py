@@ -15,7 +15,7 @@ from cluster.embedded_redis import EmbeddedRedis
 from cluster.registry import NodeInfo, node_key
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from gateway.tokenizer import Tokenizer
-from tests.e2e.processes import ProcessGroup, healthy, wait_until
+from tests.e2e.processes import ProcessGroup, wait_until
 from tests.factories import build_tiny_chat_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,13 +39,8 @@ def cluster(tmp_path_factory):
     group = ProcessGroup(tmp_path_factory.mktemp("logs"))
     with EmbeddedRedis() as embedded:
         try:
-            for name in ("prefill-0", "prefill-1"):
-                group.start_node("prefill", name, model, embedded.url)
-            group.start_node("decode", "decode-0", model, embedded.url)
-            base_url = group.start_gateway(model, embedded.url)
-            nodes = ("prefill-0", "prefill-1", "decode-0")
-            wait_until(lambda: all(registered(embedded.url, n) for n in nodes), 120, "3 nodes to register")
-            wait_until(lambda: healthy(base_url), 60, "the gateway to be healthy")
+            nodes = [("prefill", "prefill-0"), ("prefill", "prefill-1"), ("decode", "decode-0")]
+            base_url = group.start_cluster(model, embedded.url, nodes)
             time.sleep(1.0)  # the gateway's registry snapshot refreshes every 0.5 s
             yield {"model": model, "redis_url": embedded.url, "base_url": base_url, "group": group}
         finally:
