@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,27 +39,42 @@ POLICIES = ("round_robin", "prefix_aware")
 class PolicyResult:
     policy: str
     level: LevelResult
-    prompt_tokens: float
-    cached_tokens: float
+    counters: GatewayCounters
 
     @property
     def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        c = self.counters
+        return c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
 
     @property
     def ttft(self) -> Distribution | None:
         return self.level.metrics.ttft
 
 
-def prefill_token_counters(base_url: str) -> tuple[float, float]:
-    """(prompt tokens, cached prompt tokens) the gateway sent to and got back from prefill nodes."""
+@dataclass(frozen=True)
+class GatewayCounters:
+    """What the gateway's /metrics says about prefill routing so far."""
+
+    prompt_tokens: float
+    cached_tokens: float
+    prefill_decisions: Counter[str]  # reason -> prefill nodes picked for it
+
+    def __sub__(self, other: GatewayCounters) -> GatewayCounters:
+        return GatewayCounters(self.prompt_tokens - other.prompt_tokens, self.cached_tokens - other.cached_tokens,
+                               self.prefill_decisions - other.prefill_decisions)
+
+
+def gateway_counters(base_url: str) -> GatewayCounters:
     text = httpx.get(f"{base_url}/metrics", timeout=10, follow_redirects=True).text
-    totals = {"pdserve_gateway_prefill_prompt_tokens_total": 0.0, "pdserve_gateway_prefill_cached_tokens_total": 0.0}
+    tokens = {"pdserve_gateway_prefill_prompt_tokens_total": 0.0, "pdserve_gateway_prefill_cached_tokens_total": 0.0}
+    decisions: Counter[str] = Counter()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
-    return totals["pdserve_gateway_prefill_prompt_tokens_total"], totals["pdserve_gateway_prefill_cached_tokens_total"]
+            if sample.name in tokens:
+                tokens[sample.name] += sample.value
+            elif sample.name == "pdserve_gateway_routing_decisions_total" and sample.labels["role"] == "prefill":
+                decisions[sample.labels["reason"]] += int(sample.value)
+    return GatewayCounters(*tokens.values(), decisions)
 
 
 def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
@@ -79,31 +95,35 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
     try:
         launcher.start()
         launcher.wait_ready()
-        before = prefill_token_counters(base_url)
+        before = gateway_counters(base_url)
         client_config = ClientConfig(base_url=base_url, endpoint="chat", timeout_s=args.timeout_s)
         load = Load(concurrency=args.concurrency, num_requests=args.num_requests)
         # Both policies see the very same conversations (same tag); no warm-up: a cold cache is part of the test.
         _, (level,) = asyncio.run(run_benchmark(client_config, [load], lambda tag: iter_conversations(workload, "routing"), num_warmup=0))
-        after = prefill_token_counters(base_url)
+        after = gateway_counters(base_url)
     finally:
         launcher.stop()
-    return PolicyResult(policy, level, after[0] - before[0], after[1] - before[1])
+    return PolicyResult(policy, level, after - before)
 
 
 def format_markdown(results: Sequence[PolicyResult]) -> str:
     lines = [
-        "| policy | requests ok | TTFT mean (ms) | TTFT p50 (ms) | TTFT p90 (ms) | prefix hit rate | output tok/s |",
-        "|---|---|---|---|---|---|---|",
+        "| policy | requests ok | TTFT mean (ms) | TTFT p50 (ms) | TTFT p90 (ms) | prefix hit rate | output tok/s | prefill picks by reason |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         m, ttft = r.level.metrics, r.ttft
         cells = [f"{ttft.mean:.0f}", f"{ttft.p50:.0f}", f"{ttft.p90:.0f}"] if ttft else ["-"] * 3
-        lines.append(f"| {r.policy} | {m.num_succeeded}/{m.num_requests} | {' | '.join(cells)} | {r.hit_rate:.1%} | {m.output_throughput:.1f} |")
+        lines.append(f"| {r.policy} | {m.num_succeeded}/{m.num_requests} | {' | '.join(cells)} | {r.hit_rate:.1%} | {m.output_throughput:.1f} | {_reasons(r.counters.prefill_decisions)} |")
     by_policy = {r.policy: r for r in results}
     if {"round_robin", "prefix_aware"} <= by_policy.keys() and all(r.ttft for r in results):
         ratio = by_policy["round_robin"].ttft.mean / by_policy["prefix_aware"].ttft.mean
         lines.append(f"\nMean TTFT, round_robin / prefix_aware: {ratio:.2f}x")
     return "\n".join(lines)
+
+
+def _reasons(decisions: Counter[str]) -> str:
+    return ", ".join(f"{reason} {count}" for reason, count in sorted(decisions.items()))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -132,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{args.prefix_len} words; {time.perf_counter() - started:.0f} s in all")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{"policy": r.policy, "hit_rate": r.hit_rate, "ttft": r.ttft and vars(r.ttft)} for r in results], f, indent=2)
+            json.dump([{"policy": r.policy, "hit_rate": r.hit_rate, "ttft": r.ttft and vars(r.ttft),
+                        "prefill_decisions": r.counters.prefill_decisions} for r in results], f, indent=2)
 
 
 if __name__ == "__main__":

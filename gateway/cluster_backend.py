@@ -91,7 +91,7 @@ class ClusterBackend:
 
     async def _run(self, rid, prompt, params, route: Route) -> AsyncIterator[GenerationChunk]:
         prefill, decode = route.prefill, route.decode
-        self.router.acquire(route, len(prompt))
+        lease = self.router.acquire(route, len(prompt))
         for node in route.nodes:
             ROUTED_REQUESTS.labels(node.role, node.node_id).inc()
         call = decode_pb2_grpc.DecodeServiceStub(self._channel(decode.address)).Generate(
@@ -109,7 +109,7 @@ class ClusterBackend:
                 try:
                     first = await self._prefill(prefill, decode, reserved, rid, prompt, params)
                 finally:
-                    self.router.prefill_done(route, len(prompt))
+                    lease.prefill_done()
                 first.route = route_header(route, first.num_cached_tokens, reserved.num_cached_blocks * decode.capacity.block_size)
                 yield first
                 if first.finish_reason is not None:
@@ -131,7 +131,7 @@ class ClusterBackend:
                     return
         finally:
             call.cancel()  # no-op once finished; otherwise the decode node aborts and frees blocks
-            self.router.release(route)
+            lease.release()
 
     async def _prefill(self, prefill: NodeInfo, decode: NodeInfo, reserved, rid, prompt, params) -> GenerationChunk:
         stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(prefill.address))

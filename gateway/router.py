@@ -15,7 +15,11 @@ Without the index (Redis away) prefix_aware sees no cached blocks and routes by 
 
 Heartbeats refresh the registry's load once a second; between beats a burst of requests
 would all see the same numbers and pile onto one node, so the router adds the requests it
-has itself sent to each node and not yet seen finish (`in_flight`, `in_flight_tokens`).
+has itself sent to each node and not yet seen finish there (`in_flight`, `in_flight_tokens`).
+A prefill node is done with a request when its prefill returns (the decode node then runs
+it), so a prefill node's in-flight count is its queue of prompts, not of whole requests:
+counting the decode phase too would make the cap push prompts off their cached node while
+the node has nothing to compute.
 """
 
 from __future__ import annotations
@@ -93,21 +97,15 @@ class Router:
         self._count("decode", decode, decode_reason)
         return Route(prefill, decode, cached.get(prefill.node_id, 0), cached.get(decode.node_id, 0))
 
-    def acquire(self, route: Route, num_prompt_tokens: int) -> None:
-        for node in route.nodes:
-            self.in_flight[node.node_id] += 1
+    def acquire(self, route: Route, num_prompt_tokens: int) -> RouteLease:
+        """Counts the attempt against its nodes until the lease says they are done with it."""
+        uncached = 0
         if route.prefill is not None:
             uncached = _uncached_tokens(route.prefill, route.predicted_prefill_cached_blocks, num_prompt_tokens)
             self.in_flight_tokens[route.prefill.node_id] += uncached
-
-    def prefill_done(self, route: Route, num_prompt_tokens: int) -> None:
-        if route.prefill is not None:
-            uncached = _uncached_tokens(route.prefill, route.predicted_prefill_cached_blocks, num_prompt_tokens)
-            _decrement(self.in_flight_tokens, route.prefill.node_id, uncached)
-
-    def release(self, route: Route) -> None:
         for node in route.nodes:
-            _decrement(self.in_flight, node.node_id, 1)
+            self.in_flight[node.node_id] += 1
+        return RouteLease(self, route, uncached)
 
     async def _cached_blocks(self, nodes: list[NodeInfo], prompt_token_ids: list[int]) -> dict[str, int]:
         """node_id -> leading prompt blocks cached there, for every candidate in one Redis round trip."""
@@ -161,6 +159,29 @@ class Router:
 
     def _count(self, role: str, node: NodeInfo, reason: str) -> None:
         ROUTING_DECISIONS.labels(self.policy.value, role, node.node_id, reason).inc()
+
+
+class RouteLease:
+    """One attempt's place in the router's in-flight counts. `prefill_done` frees the prefill
+    node; `release` frees the rest (and the prefill node, if the attempt failed before its
+    prefill returned). Both may be called more than once."""
+
+    def __init__(self, router: Router, route: Route, uncached_tokens: int) -> None:
+        self._router, self._route, self._uncached_tokens = router, route, uncached_tokens
+        self._prefill_held, self._decode_held = route.prefill is not None, True
+
+    def prefill_done(self) -> None:
+        if self._prefill_held:
+            self._prefill_held = False
+            node_id = self._route.prefill.node_id
+            _decrement(self._router.in_flight, node_id, 1)
+            _decrement(self._router.in_flight_tokens, node_id, self._uncached_tokens)
+
+    def release(self) -> None:
+        self.prefill_done()
+        if self._decode_held:
+            self._decode_held = False
+            _decrement(self._router.in_flight, self._route.decode.node_id, 1)
 
 
 def _uncached_tokens(node: NodeInfo, cached_blocks: int, num_prompt_tokens: int) -> int:

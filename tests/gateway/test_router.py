@@ -101,11 +101,34 @@ def test_round_robin_takes_turns_and_ignores_the_index():
 def test_least_load_counts_requests_in_flight_from_this_gateway():
     router = Router(FixedRegistry(CLUSTER), RoutingPolicy.LEAST_LOAD)
     first = route(router)
-    router.acquire(first, len(PROMPT))
+    lease = router.acquire(first, len(PROMPT))
     second = route(router)
     assert first.prefill.node_id != second.prefill.node_id and first.decode.node_id != second.decode.node_id
-    router.prefill_done(first, len(PROMPT))
-    router.release(first)
+    lease.prefill_done()
+    lease.release()
+    lease.release()  # a second release changes nothing
+    assert not router.in_flight and not router.in_flight_tokens
+
+
+def test_a_prefill_node_is_free_once_its_prefill_returns():
+    # Requests decoding elsewhere do not count against the prefill node that cached their prefix.
+    index = FakeIndex({"p0": HASHES[:62]})
+    router = Router(FixedRegistry(CLUSTER), RoutingPolicy.PREFIX_AWARE, index, load_factor=1.25)
+    leases = []
+    for _ in range(10):
+        chosen = route(router)
+        assert chosen.prefill.node_id == "p0"
+        leases.append(router.acquire(chosen, len(PROMPT)))
+        leases[-1].prefill_done()
+    assert "p0" not in router.in_flight and sum(router.in_flight.values()) == 10  # all on decode nodes
+    for lease in leases:
+        lease.release()
+    assert not router.in_flight and not router.in_flight_tokens
+
+
+def test_an_attempt_failing_before_its_prefill_frees_both_nodes():
+    router = Router(FixedRegistry(CLUSTER), RoutingPolicy.PREFIX_AWARE, FakeIndex())
+    router.acquire(route(router), len(PROMPT)).release()
     assert not router.in_flight and not router.in_flight_tokens
 
 
