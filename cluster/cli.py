@@ -122,7 +122,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-policy", choices=["round_robin", "least_load", "prefix_aware"], default="prefix_aware",
                         help="prefix_aware: where the prompt's prefix is cached, within a load cap")
     parser.add_argument("--router-load-factor", type=float, default=1.25,
-                        help="prefix_aware's cap: no node above this factor x the mean in-flight load")
+                        help="prefix_aware's cap: a node above this factor x the mean load (queued prompt tokens beyond one batched step on prefill nodes, requests on decode nodes) gets no new request")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

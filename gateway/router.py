@@ -8,9 +8,12 @@ Policies (`--router-policy`):
                            after its longest cached prefix) plus the tokens already queued on it;
                   decode:  most of the prompt's leading blocks held (they need no transfer),
                            then least loaded;
-                  both under a bounded-load cap: a node takes a request only while its
-                  in-flight count stays within `load_factor` x the role's mean, so a popular
-                  prefix spreads instead of piling onto one node.
+                  both under a bounded-load cap, so a popular prefix spreads instead of
+                  piling onto one node: a prefill node whose queued prompt tokens exceed both
+                  one batched step (its max_num_batched_tokens: prompts that fit in the next
+                  step wait for no other) and `load_factor` x the mean queue takes no new
+                  prompt; a decode node takes a request only while its in-flight count stays
+                  within `load_factor` x the mean.
 Without the index (Redis away) prefix_aware sees no cached blocks and routes by load alone.
 
 Heartbeats refresh the registry's load once a second; between beats a burst of requests
@@ -126,7 +129,10 @@ class Router:
         def work(node: NodeInfo) -> int:
             return _uncached_tokens(node, cached.get(node.node_id, 0), num_tokens) + self._queued_tokens(node)
 
-        return self._least_within_cap(nodes, lambda n: (work(n), n.node_id), cached)
+        # Load is queued prompt tokens, the unit of the cost; the least-queued node is always within.
+        cap = self.load_factor * sum(self._queued_tokens(n) for n in nodes) / len(nodes)
+        within = [n for n in nodes if self._queued_tokens(n) <= max(cap, n.capacity.max_num_batched_tokens)]
+        return self._cheapest(nodes, within, lambda n: (work(n), n.node_id), cached)
 
     def _pick_decode(self, nodes: list[NodeInfo], cached: dict[str, int]) -> tuple[NodeInfo, str]:
         role = nodes[0].role
@@ -134,13 +140,15 @@ class Router:
             return self._next_in_turn(role, nodes), "turn"
         if self.policy == RoutingPolicy.LEAST_LOAD:
             return min(nodes, key=lambda n: (*self._decode_load(n), n.node_id)), "load"
-        return self._least_within_cap(nodes, lambda n: (-cached.get(n.node_id, 0), *self._decode_load(n), n.node_id), cached)
-
-    def _least_within_cap(self, nodes: list[NodeInfo], cost, cached: dict[str, int]) -> tuple[NodeInfo, str]:
-        """The cheapest node whose in-flight count stays within the bounded-load cap."""
+        # Load is requests in flight, counting this one; the ceiling keeps the least loaded within.
         cap = math.ceil(self.load_factor * (sum(self.in_flight[n.node_id] for n in nodes) + 1) / len(nodes))
         within = [n for n in nodes if self.in_flight[n.node_id] + 1 <= cap]
-        best = min(within, key=cost)
+        return self._cheapest(nodes, within, lambda n: (-cached.get(n.node_id, 0), *self._decode_load(n), n.node_id), cached)
+
+    @staticmethod
+    def _cheapest(nodes: list[NodeInfo], within_cap: list[NodeInfo], cost, cached: dict[str, int]) -> tuple[NodeInfo, str]:
+        """The cheapest node within the bounded-load cap, and why it won."""
+        best = min(within_cap, key=cost)
         unbounded_best = min(nodes, key=cost)
         if best is not unbounded_best:
             return best, "load_cap"

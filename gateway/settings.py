@@ -29,6 +29,6 @@ class GatewaySettings(BaseSettings):
     redis_url: str | None = Field(None, description="the cluster's Redis; default: the embedded one")
     max_model_len: int | None = Field(None, ge=1, description="prompt + output tokens; default: config.json max_position_embeddings")
     router_policy: RoutingPolicy = Field(RoutingPolicy.PREFIX_AWARE, description="how prefill and decode nodes are picked")
-    router_load_factor: float = Field(1.25, ge=1.0, description="bounded-load cap: no node above this factor x the mean in-flight load")
+    router_load_factor: float = Field(1.25, ge=1.0, description="bounded-load cap: a node above this factor x its role's mean load gets no new request (gateway/router.py)")
     log_level: str = "info"
     access_log: bool = Field(False, description="one log line per HTTP request")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.embedded_redis import free_port
 from cluster.registry import node_key
@@ -90,12 +91,14 @@ def healthy(base_url: str) -> bool:
         return False
 
 
+def metric_samples(base_url: str, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+    """The gateway's samples of one Prometheus metric whose labels include `labels`."""
+    text = httpx.get(f"{base_url}/metrics", timeout=5, follow_redirects=True).text
+    return [(sample.labels, sample.value)
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()]
+
+
 def routed_counts(base_url: str, role: str) -> dict[str, float]:
-    """Requests the gateway sent to each node of a role, from its Prometheus metrics."""
-    counts = {}
-    for line in httpx.get(f"{base_url}/metrics", timeout=5, follow_redirects=True).text.splitlines():
-        if line.startswith("pdserve_gateway_routed_requests_total{") and f'role="{role}"' in line:
-            labels, value = line.rsplit(" ", 1)
-            node = labels.split('node_id="')[1].split('"')[0]
-            counts[node] = float(value)
-    return counts
+    """Requests the gateway sent to each node of a role."""
+    return {labels["node_id"]: value for labels, value in metric_samples(base_url, "pdserve_gateway_routed_requests_total", role=role)}

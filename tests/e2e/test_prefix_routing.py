@@ -15,7 +15,7 @@ from cluster.embedded_redis import EmbeddedRedis
 from cluster.registry import NodeInfo, node_key
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from gateway.tokenizer import Tokenizer
-from tests.e2e.processes import ProcessGroup, wait_until
+from tests.e2e.processes import ProcessGroup, metric_samples, wait_until
 from tests.factories import build_tiny_chat_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,7 +39,10 @@ def cluster(tmp_path_factory):
     group = ProcessGroup(tmp_path_factory.mktemp("logs"))
     with EmbeddedRedis() as embedded:
         try:
-            nodes = [("prefill", "prefill-0"), ("prefill", "prefill-1"), ("decode", "decode-0")]
+            # Prefill steps of 32 tokens: a burst of cache hits soon queues more than one step,
+            # the point where the load cap starts to move prompts (gateway/router.py).
+            step = ("--max-num-batched-tokens", "32")
+            nodes = [("prefill", "prefill-0", *step), ("prefill", "prefill-1", *step), ("decode", "decode-0")]
             base_url = group.start_cluster(model, embedded.url, nodes)
             time.sleep(1.0)  # the gateway's registry snapshot refreshes every 0.5 s
             yield {"model": model, "redis_url": embedded.url, "base_url": base_url, "group": group}
@@ -78,15 +81,22 @@ def test_requests_sharing_a_system_prompt_land_on_the_node_that_cached_it(cluste
     assert all(int(r["cached_tokens"]) >= 128 for r in routes)  # the system prompt's full blocks
 
 
+def load_cap_decisions(base_url: str) -> float:
+    samples = metric_samples(base_url, "pdserve_gateway_routing_decisions_total", role="prefill", reason="load_cap")
+    return sum(value for _, value in samples)
+
+
 def test_a_burst_on_one_prefix_is_spread_by_the_load_cap(cluster):
     async def body():
         await chat(cluster["base_url"], cluster["model"], ask("Warm the cache."))
         await asyncio.sleep(0.5)
-        replies = await asyncio.gather(*(chat(cluster["base_url"], cluster["model"], ask(f"Burst {i}?")) for i in range(12)))
+        replies = await asyncio.gather(*(chat(cluster["base_url"], cluster["model"], ask(f"Burst {i}?")) for i in range(24)))
         return [route for _, route in replies]
 
+    capped_before = load_cap_decisions(cluster["base_url"])
     routes = asyncio.run(body())
     assert {r["prefill"] for r in routes} == {"prefill-0", "prefill-1"}
+    assert load_cap_decisions(cluster["base_url"]) > capped_before  # moved by the cap, not by cost
 
 
 def test_second_chat_turn_moves_only_new_blocks_and_matches_the_offline_engine(cluster):

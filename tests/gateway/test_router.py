@@ -71,17 +71,48 @@ def test_prefix_aware_weighs_cached_tokens_against_queued_work():
     assert route(Router(FixedRegistry(busy), RoutingPolicy.PREFIX_AWARE, index)).prefill.node_id == "p0"
 
 
+def small_step_cluster(max_num_batched_tokens: int = 64) -> list[NodeInfo]:
+    capacity = NodeCapacity(num_blocks=512, block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens)
+    prefills = [NodeInfo(node_id=i, role="prefill", address=f"{i}:1", model="m", capacity=capacity) for i in ("p0", "p1")]
+    return prefills + [node("d0", "decode"), node("d1", "decode")]
+
+
 def test_bounded_load_cap_spreads_a_burst_on_one_prefix():
-    index = FakeIndex({"p0": HASHES[:62]})
-    router = Router(FixedRegistry(CLUSTER), RoutingPolicy.PREFIX_AWARE, index, load_factor=1.5)
+    index = FakeIndex({"p0": HASHES[:62]})  # 8 uncached tokens on p0, 1000 on p1
+    router = Router(FixedRegistry(small_step_cluster(64)), RoutingPolicy.PREFIX_AWARE, index, load_factor=1.5)
     picks = []
-    for sent in range(1, 21):  # a burst: none finishes
+    for _ in range(40):  # a burst: no prefill returns
+        queued = dict(router.in_flight_tokens)
         chosen = route(router)
         router.acquire(chosen, len(PROMPT))
         picks.append(chosen.prefill.node_id)
-        assert picks.count("p0") <= math.ceil(1.5 * sent / 2)  # never above 1.5x the mean, rounded up
-    assert picks[:3] == ["p0"] * 3  # the cached node first, while the cap allows
-    assert picks.count("p1") >= 5
+        if chosen.prefill.node_id == "p0":  # p0 took it only while not over the cap
+            assert queued.get("p0", 0) <= max(64, 1.5 * sum(queued.values()) / 2)
+    assert picks[:9] == ["p0"] * 9  # the cached node, until its queue passes one step (64 tokens)
+    assert picks[9] == "p1"  # then the cap, although p1 has to compute the whole prompt
+    assert picks.count("p0") > picks.count("p1")  # p1's queue of 1000 tokens lets p0 take more
+
+
+def test_a_queue_within_one_batched_step_is_not_capped():
+    # Cache hits that fit in the node's next step together wait for nothing: they stay put.
+    index = FakeIndex({"p0": HASHES[:62]})
+    router = Router(FixedRegistry(small_step_cluster(512)), RoutingPolicy.PREFIX_AWARE, index, load_factor=1.25)
+    for _ in range(20):  # 20 x 8 uncached tokens
+        chosen = route(router)
+        router.acquire(chosen, len(PROMPT))
+        assert chosen.prefill.node_id == "p0"
+
+
+def test_decode_cap_counts_requests_in_flight():
+    index = FakeIndex({"d0": HASHES[:62]})
+    router = Router(FixedRegistry(CLUSTER), RoutingPolicy.PREFIX_AWARE, index, load_factor=1.5)
+    picks = []
+    for sent in range(1, 13):
+        chosen = route(router)
+        router.acquire(chosen, len(PROMPT)).prefill_done()
+        picks.append(chosen.decode.node_id)
+        assert picks.count("d0") <= math.ceil(1.5 * sent / 2)
+    assert picks[0] == "d0" and "d1" in picks
 
 
 def test_prefix_aware_without_the_index_routes_by_load():
@@ -113,14 +144,15 @@ def test_least_load_counts_requests_in_flight_from_this_gateway():
 def test_a_prefill_node_is_free_once_its_prefill_returns():
     # Requests decoding elsewhere do not count against the prefill node that cached their prefix.
     index = FakeIndex({"p0": HASHES[:62]})
-    router = Router(FixedRegistry(CLUSTER), RoutingPolicy.PREFIX_AWARE, index, load_factor=1.25)
+    router = Router(FixedRegistry(small_step_cluster(8)), RoutingPolicy.PREFIX_AWARE, index, load_factor=1.25)
     leases = []
     for _ in range(10):
         chosen = route(router)
         assert chosen.prefill.node_id == "p0"
         leases.append(router.acquire(chosen, len(PROMPT)))
         leases[-1].prefill_done()
-    assert "p0" not in router.in_flight and sum(router.in_flight.values()) == 10  # all on decode nodes
+    assert "p0" not in router.in_flight and "p0" not in router.in_flight_tokens
+    assert sum(router.in_flight.values()) == 10  # all on decode nodes
     for lease in leases:
         lease.release()
     assert not router.in_flight and not router.in_flight_tokens
