@@ -8,7 +8,7 @@ served from their prefix caches. Prefill nodes get `--prefill-kv-cache-gib` each
 about half of the system prompts, the regime where the node a prompt is sent to decides whether
 its prefix is still cached (together the two caches hold them all).
 
-    pdserve bench routing [--num-requests 128] [--num-prefixes 4] [--prefix-len 750] [--concurrency 4]
+    pdserve bench routing [--num-requests 128] [--num-prefixes 4] [--prefix-len 1000] [--concurrency 4]
 """
 
 from __future__ import annotations
@@ -132,11 +132,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--num-prefixes", type=int, default=4)
-    parser.add_argument("--prefix-len", type=int, default=750, help="system prompt length in words (~1.3 tokens each)")
+    parser.add_argument("--prefix-len", type=int, default=1000, help="system prompt length in words (about one token each)")
     parser.add_argument("--question-len", type=int, default=24, help="words")
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--prefill-kv-cache-gib", type=float, default=0.1, help="each prefill node's KV cache")
+    parser.add_argument("--prefill-kv-cache-gib", type=float, default=0.13, help="each prefill node's KV cache")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the results here")

@@ -91,9 +91,6 @@ class ClusterBackend:
 
     async def _run(self, rid, prompt, params, route: Route) -> AsyncIterator[GenerationChunk]:
         prefill, decode = route.prefill, route.decode
-        lease = self.router.acquire(route, len(prompt))
-        for node in route.nodes:
-            ROUTED_REQUESTS.labels(node.role, node.node_id).inc()
         call = decode_pb2_grpc.DecodeServiceStub(self._channel(decode.address)).Generate(
             decode_pb2.GenerateRequest(
                 request_id=rid,
@@ -103,6 +100,9 @@ class ClusterBackend:
                 kv_timeout_ms=self.kv_timeout_ms,
             )
         )
+        for node in route.nodes:
+            ROUTED_REQUESTS.labels(node.role, node.node_id).inc()
+        lease = self.router.acquire(route, len(prompt))  # released in `finally`, whatever happens
         try:
             reserved = (await call.read()).reserved  # blocks are held on the decode node
             if prefill is not None:

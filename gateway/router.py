@@ -33,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from prometheus_client import Counter as MetricCounter
+from prometheus_client import Gauge
 
 from cluster.kv_index import KvIndexReader
 from cluster.registry import NodeInfo, RegistryView
@@ -41,6 +42,10 @@ from gateway.settings import RoutingPolicy
 
 ROUTING_DECISIONS = MetricCounter(
     "pdserve_gateway_routing_decisions", "Nodes picked, by policy, role and why", ["policy", "role", "node_id", "reason"]
+)
+IN_FLIGHT = Gauge("pdserve_gateway_in_flight_requests", "Requests this gateway has sent to a node that it has not finished", ["node_id"])
+QUEUED_TOKENS = Gauge(
+    "pdserve_gateway_queued_prompt_tokens", "Uncached prompt tokens this gateway has sent to a prefill node, prefill not returned", ["node_id"]
 )
 
 
@@ -105,10 +110,18 @@ class Router:
         uncached = 0
         if route.prefill is not None:
             uncached = _uncached_tokens(route.prefill, route.predicted_prefill_cached_blocks, num_prompt_tokens)
-            self.in_flight_tokens[route.prefill.node_id] += uncached
-        for node in route.nodes:
-            self.in_flight[node.node_id] += 1
+            self._add(route.prefill.node_id, 1, uncached)
+        self._add(route.decode.node_id, 1)
         return RouteLease(self, route, uncached)
+
+    def _add(self, node_id: str, requests: int, prompt_tokens: int = 0) -> None:
+        for counter, gauge, amount in ((self.in_flight, IN_FLIGHT, requests), (self.in_flight_tokens, QUEUED_TOKENS, prompt_tokens)):
+            if amount == 0:
+                continue
+            counter[node_id] += amount
+            gauge.labels(node_id).set(max(counter[node_id], 0))
+            if counter[node_id] <= 0:
+                del counter[node_id]
 
     async def _cached_blocks(self, nodes: list[NodeInfo], prompt_token_ids: list[int]) -> dict[str, int]:
         """node_id -> leading prompt blocks cached there, for every candidate in one Redis round trip."""
@@ -181,15 +194,13 @@ class RouteLease:
     def prefill_done(self) -> None:
         if self._prefill_held:
             self._prefill_held = False
-            node_id = self._route.prefill.node_id
-            _decrement(self._router.in_flight, node_id, 1)
-            _decrement(self._router.in_flight_tokens, node_id, self._uncached_tokens)
+            self._router._add(self._route.prefill.node_id, -1, -self._uncached_tokens)
 
     def release(self) -> None:
         self.prefill_done()
         if self._decode_held:
             self._decode_held = False
-            _decrement(self._router.in_flight, self._route.decode.node_id, 1)
+            self._router._add(self._route.decode.node_id, -1)
 
 
 def _uncached_tokens(node: NodeInfo, cached_blocks: int, num_prompt_tokens: int) -> int:
@@ -204,9 +215,3 @@ def _group_by_cache_layout(nodes: list[NodeInfo]) -> dict[tuple[int, str], list[
     for node in nodes:
         groups.setdefault((node.capacity.block_size, node.model), []).append(node)
     return groups
-
-
-def _decrement(counter: Counter[str], key: str, amount: int) -> None:
-    counter[key] -= amount
-    if counter[key] <= 0:
-        del counter[key]

@@ -15,7 +15,7 @@ from cluster.embedded_redis import EmbeddedRedis
 from cluster.registry import NodeInfo, node_key
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from gateway.tokenizer import Tokenizer
-from tests.e2e.processes import ProcessGroup, metric_samples, wait_until
+from tests.e2e.processes import ProcessGroup, metric_samples, routed_counts, wait_until
 from tests.factories import build_tiny_chat_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,6 +81,15 @@ def test_requests_sharing_a_system_prompt_land_on_the_node_that_cached_it(cluste
     assert all(int(r["cached_tokens"]) >= 128 for r in routes)  # the system prompt's full blocks
 
 
+async def chats_in_parallel(cluster, questions: list[str]) -> list[tuple[str, dict[str, str]]]:
+    return await asyncio.gather(*(chat(cluster["base_url"], cluster["model"], [{"role": "user", "content": q}]) for q in questions))
+
+
+def in_flight(base_url: str) -> float:
+    """Requests the gateway's router still counts against some node."""
+    return sum(value for _, value in metric_samples(base_url, "pdserve_gateway_in_flight_requests"))
+
+
 def load_cap_decisions(base_url: str) -> float:
     samples = metric_samples(base_url, "pdserve_gateway_routing_decisions_total", role="prefill", reason="load_cap")
     return sum(value for _, value in samples)
@@ -97,6 +106,7 @@ def test_a_burst_on_one_prefix_is_spread_by_the_load_cap(cluster):
     routes = asyncio.run(body())
     assert {r["prefill"] for r in routes} == {"prefill-0", "prefill-1"}
     assert load_cap_decisions(cluster["base_url"]) > capped_before  # moved by the cap, not by cost
+    assert in_flight(cluster["base_url"]) == 0
 
 
 def test_second_chat_turn_moves_only_new_blocks_and_matches_the_offline_engine(cluster):
@@ -130,6 +140,13 @@ def test_a_killed_prefill_nodes_entries_expire_and_its_restart_does_not_inherit_
     wait_until(lambda: kv_index_keys(redis_url, "prefill-1"), 10, "prefill-1 to publish its cache")
     group.stop("prefill-1", signal.SIGKILL)
     started = time.monotonic()
+    # Still registered: distinct prompts spread over both nodes by queued work, so some first
+    # go to the dead node, fail to connect and are retried on the other.
+    tried_before = routed_counts(cluster["base_url"], "prefill").get("prefill-1", 0)
+    replies = asyncio.run(chats_in_parallel(cluster, [f"Question {i}: " + "why is the sky blue " * 20 for i in range(6)]))
+    assert routed_counts(cluster["base_url"], "prefill").get("prefill-1", 0) > tried_before
+    assert all(route["prefill"] == "prefill-0" for _, route in replies)
+    assert in_flight(cluster["base_url"]) == 0  # the failed attempts released their nodes too
     wait_until(lambda: not kv_index_keys(redis_url, "prefill-1"), 10, "prefill-1's KV index entries to expire")
     assert time.monotonic() - started <= 3.0 + 1.0  # the registry TTL, plus polling slack
     group.start_node("prefill", "prefill-1", cluster["model"], redis_url)

@@ -6,6 +6,7 @@ import asyncio
 import math
 
 import pytest
+from prometheus_client import REGISTRY
 
 from cluster.registry import NodeCapacity, NodeInfo, NodeLoad
 from engine.block_hash import hash_token_blocks
@@ -153,6 +154,8 @@ def test_a_prefill_node_is_free_once_its_prefill_returns():
         leases[-1].prefill_done()
     assert "p0" not in router.in_flight and "p0" not in router.in_flight_tokens
     assert sum(router.in_flight.values()) == 10  # all on decode nodes
+    assert REGISTRY.get_sample_value("pdserve_gateway_in_flight_requests", {"node_id": "p0"}) == 0
+    assert sum(REGISTRY.get_sample_value("pdserve_gateway_in_flight_requests", {"node_id": d}) or 0 for d in ("d0", "d1")) == 10
     for lease in leases:
         lease.release()
     assert not router.in_flight and not router.in_flight_tokens
