@@ -115,13 +115,9 @@ class Router:
         return RouteLease(self, route, uncached)
 
     def _add(self, node_id: str, requests: int, prompt_tokens: int = 0) -> None:
-        for counter, gauge, amount in ((self.in_flight, IN_FLIGHT, requests), (self.in_flight_tokens, QUEUED_TOKENS, prompt_tokens)):
-            if amount == 0:
-                continue
-            counter[node_id] += amount
-            gauge.labels(node_id).set(max(counter[node_id], 0))
-            if counter[node_id] <= 0:
-                del counter[node_id]
+        _adjust(self.in_flight, IN_FLIGHT, node_id, requests)
+        if prompt_tokens:  # decode nodes queue no prompt tokens: no gauge series for them
+            _adjust(self.in_flight_tokens, QUEUED_TOKENS, node_id, prompt_tokens)
 
     async def _cached_blocks(self, nodes: list[NodeInfo], prompt_token_ids: list[int]) -> dict[str, int]:
         """node_id -> leading prompt blocks cached there, for every candidate in one Redis round trip."""
@@ -201,6 +197,14 @@ class RouteLease:
         if self._decode_held:
             self._decode_held = False
             self._router._add(self._route.decode.node_id, -1)
+
+
+def _adjust(counter: Counter[str], gauge: Gauge, node_id: str, amount: int) -> None:
+    """Adds to a node's count, mirrored in its gauge; a count back at zero leaves the counter."""
+    counter[node_id] += amount
+    gauge.labels(node_id).set(max(counter[node_id], 0))
+    if counter[node_id] <= 0:
+        del counter[node_id]
 
 
 def _uncached_tokens(node: NodeInfo, cached_blocks: int, num_prompt_tokens: int) -> int:

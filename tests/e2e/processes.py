@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.embedded_redis import free_port
+from cluster.embedded_redis import EmbeddedRedis, free_port
 from cluster.registry import node_key
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +90,20 @@ def healthy(base_url: str) -> bool:
         return httpx.get(f"{base_url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@contextlib.contextmanager
+def running_cluster(model: str, log_dir: Path, nodes: Sequence[tuple[str, ...]], *gateway_args: str) -> Iterator[dict]:
+    """An embedded Redis, `(role, name, *flags)` nodes and a gateway, stopped on exit; yields
+    {"model", "redis_url", "base_url", "group"} once the gateway has seen every node."""
+    group = ProcessGroup(log_dir)
+    with EmbeddedRedis() as embedded:
+        try:
+            base_url = group.start_cluster(model, embedded.url, nodes, *gateway_args)
+            time.sleep(1.0)  # the gateway's registry snapshot refreshes every 0.5 s: let it see them all
+            yield {"model": model, "redis_url": embedded.url, "base_url": base_url, "group": group}
+        finally:
+            group.stop_all()
 
 
 def metric_samples(base_url: str, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:

@@ -14,8 +14,7 @@ import openai
 import pytest
 import redis
 
-from cluster.embedded_redis import EmbeddedRedis
-from tests.e2e.processes import REPO_ROOT, ProcessGroup, routed_counts, wait_until
+from tests.e2e.processes import REPO_ROOT, routed_counts, running_cluster, wait_until
 from tests.factories import build_tiny_chat_model
 
 QUESTIONS = [f"Question {i}: tell me about the number {i * 7}." for i in range(16)]
@@ -29,17 +28,11 @@ def num_registered(redis_url: str, prefix: str = "pdserve:node:") -> int:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     model = str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
-    group = ProcessGroup(tmp_path_factory.mktemp("logs"))
-    with EmbeddedRedis() as embedded:
-        try:
-            nodes = [("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1")]
-            # Load-based routing: these tests are about nodes joining and leaving. (prefix_aware
-            # would keep chats on the decode nodes that already cache the chat template's blocks.)
-            base_url = group.start_cluster(model, embedded.url, nodes, "--router-policy", "least_load")
-            time.sleep(1.0)  # the gateway's registry snapshot refreshes every 0.5 s: let it see all 3
-            yield {"model": model, "redis_url": embedded.url, "base_url": base_url, "group": group}
-        finally:
-            group.stop_all()
+    nodes = [("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1")]
+    # Load-based routing: these tests are about nodes joining and leaving. (prefix_aware
+    # would keep chats on the decode nodes that already cache the chat template's blocks.)
+    with running_cluster(model, tmp_path_factory.mktemp("logs"), nodes, "--router-policy", "least_load") as running:
+        yield running
 
 
 def client(cluster) -> openai.AsyncOpenAI:
@@ -114,19 +107,15 @@ def test_a_late_decode_node_is_used_and_a_dead_one_is_dropped(cluster):
 def test_other_topologies_serve_the_same_greedy_output(tmp_path, nodes):
     model = str(build_tiny_chat_model(tmp_path / "model"))
     (tmp_path / "logs").mkdir()
-    group = ProcessGroup(tmp_path / "logs")
-    with EmbeddedRedis() as embedded:
-        try:
-            base_url = group.start_cluster(model, embedded.url, nodes)
+    with running_cluster(model, tmp_path / "logs", nodes) as running:
+        base_url = running["base_url"]
 
-            async def chats():
-                api = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-                model_id = (await api.models.list()).data[0].id
-                return await asyncio.gather(*(stream_chat(api, model_id, q) for q in QUESTIONS[:4]))
+        async def chats():
+            api = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+            model_id = (await api.models.list()).data[0].id
+            return await asyncio.gather(*(stream_chat(api, model_id, q) for q in QUESTIONS[:4]))
 
-            results = asyncio.run(chats())
-            assert [text for text, _ in results] == [e["text"] for e in offline_generate(model, QUESTIONS[:4])]
-            role, name = nodes[-1][:2]
-            assert routed_counts(base_url, role) == {name: 4.0}
-        finally:
-            group.stop_all()
+        results = asyncio.run(chats())
+        assert [text for text, _ in results] == [e["text"] for e in offline_generate(model, QUESTIONS[:4])]
+        role, name = nodes[-1][:2]
+        assert routed_counts(base_url, role) == {name: 4.0}

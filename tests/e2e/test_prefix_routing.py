@@ -11,11 +11,10 @@ import httpx
 import pytest
 import redis
 
-from cluster.embedded_redis import EmbeddedRedis
 from cluster.registry import NodeInfo, node_key
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from gateway.tokenizer import Tokenizer
-from tests.e2e.processes import ProcessGroup, metric_samples, routed_counts, wait_until
+from tests.e2e.processes import metric_samples, routed_counts, running_cluster, wait_until
 from tests.factories import build_tiny_chat_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,18 +35,12 @@ def kv_index_keys(redis_url: str, node_id: str) -> list[bytes]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     model = str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
-    group = ProcessGroup(tmp_path_factory.mktemp("logs"))
-    with EmbeddedRedis() as embedded:
-        try:
-            # Prefill steps of 32 tokens: a burst of cache hits soon queues more than one step,
-            # the point where the load cap starts to move prompts (gateway/router.py).
-            step = ("--max-num-batched-tokens", "32")
-            nodes = [("prefill", "prefill-0", *step), ("prefill", "prefill-1", *step), ("decode", "decode-0")]
-            base_url = group.start_cluster(model, embedded.url, nodes)
-            time.sleep(1.0)  # the gateway's registry snapshot refreshes every 0.5 s
-            yield {"model": model, "redis_url": embedded.url, "base_url": base_url, "group": group}
-        finally:
-            group.stop_all()
+    # Prefill steps of 32 tokens: a burst of cache hits soon queues more than one step,
+    # the point where the load cap starts to move prompts (gateway/router.py).
+    step = ("--max-num-batched-tokens", "32")
+    nodes = [("prefill", "prefill-0", *step), ("prefill", "prefill-1", *step), ("decode", "decode-0")]
+    with running_cluster(model, tmp_path_factory.mktemp("logs"), nodes) as running:
+        yield running
 
 
 def parse_route(header: str) -> dict[str, str]:
