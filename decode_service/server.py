@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import grpc
 
-from cluster.node import NodeSettings, serve_node
+from pdserve.node import NodeSettings, serve_node
 from decode_service.servicer import DecodeServicer
-from engine.async_engine import AsyncEngine
+from pdserve.engine.async_engine import AsyncEngine
 from kvtransfer.base import KvReceiver
 from kvtransfer.grpc_transport import KvTransferServicer
 from kvtransfer.shm_transport import SharedKvCache, host_id

@@ -18,8 +18,8 @@ import logging
 
 import grpc
 
-from engine.async_engine import AsyncEngine
-from engine.request import RequestOutput
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.request import RequestOutput
 from kvtransfer.base import KvReceiver, TransferError
 from protos import decode_pb2, decode_pb2_grpc
 from protos.convert import logprob_to_proto, sampling_params_from_proto
@@ -47,7 +47,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.host_id = host_id
 
     def stats(self) -> dict[str, int]:
-        """Transfer counters for the registry (cluster.registry.NodeStats)."""
+        """Transfer counters for the registry (pdserve.cluster_state.registry.NodeStats)."""
         return {"kv_blocks_received": self.receiver.num_blocks_received, "kv_bytes_received": self.receiver.num_bytes_received}
 
     async def close(self) -> None:

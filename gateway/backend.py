@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.request import TokenLogprob
-from engine.sampling_params import SamplingParams
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
 
 
 @dataclass

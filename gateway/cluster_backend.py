@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator
 import grpc
 from prometheus_client import Counter
 
-from cluster.kv_index import KvIndexReader
-from cluster.registry import NodeInfo, RegistryView
-from engine.sampling_params import SamplingParams
+from pdserve.cluster_state.kv_index import KvIndexReader
+from pdserve.cluster_state.registry import NodeInfo, RegistryView
+from pdserve.engine.sampling_params import SamplingParams
 from gateway.backend import BackendError, BackendErrorKind, GenerationChunk
 from gateway.router import Route, Router
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc

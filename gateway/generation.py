@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from engine.request import TokenLogprob
-from engine.sampling_params import SamplingParams
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
 from gateway.backend import BackendError, BackendErrorKind, GenerationBackend
 from gateway.detokenizer import Detokenizer
 from gateway.tokenizer import Tokenizer

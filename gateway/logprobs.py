@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.request import TokenLogprob
+from pdserve.engine.request import TokenLogprob
 from gateway.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from gateway.tokenizer import Tokenizer
 

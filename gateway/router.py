@@ -3,7 +3,7 @@
 Policies (`--router-policy`):
     round_robin   each role's nodes in turn
     least_load    prefill: fewest queued prompt tokens; decode: fewest running sequences
-    prefix_aware  (default) uses the cluster's KV index (cluster/kv_index.py):
+    prefix_aware  (default) uses the cluster's KV index (pdserve/cluster_state/kv_index.py):
                   prefill: least work, i.e. the prompt tokens it would have to compute (those
                            after its longest cached prefix) plus the tokens already queued on it;
                   decode:  most of the prompt's leading blocks held (they need no transfer),
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from prometheus_client import Counter as MetricCounter
 from prometheus_client import Gauge
 
-from cluster.kv_index import KvIndexReader
-from cluster.registry import NodeInfo, RegistryView
-from engine.block_hash import hash_token_blocks
+from pdserve.cluster_state.kv_index import KvIndexReader
+from pdserve.cluster_state.registry import NodeInfo, RegistryView
+from pdserve.engine.block_hash import hash_token_blocks
 from gateway.settings import RoutingPolicy
 
 ROUTING_DECISIONS = MetricCounter(

@@ -3,7 +3,7 @@ choice, each with its SamplingParams and a max_tokens that fits the model's cont
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 from gateway.errors import RequestError
 from gateway.generation import ChoiceSpec
 from gateway.protocol import SamplingRequest

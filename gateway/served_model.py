@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.model_loader import resolve_model
+from pdserve.engine.model_loader import resolve_model
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import Tokenizer
 

@@ -18,7 +18,7 @@ def uvicorn_config(settings: GatewaySettings, backend: GenerationBackend) -> uvi
         port=settings.port,
         log_level=settings.log_level,
         access_log=settings.access_log,
-        log_config=None,  # keep the process's logging set-up (cluster.log_setup)
+        log_config=None,  # keep the process's logging set-up (pdserve.log_setup)
     )
 
 

@@ -8,7 +8,7 @@ import enum
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine.model_loader import DEFAULT_MODEL
+from pdserve.engine.model_loader import DEFAULT_MODEL
 
 
 class RoutingPolicy(str, enum.Enum):

@@ -55,7 +55,7 @@ class KvPage:
 class KvCommit:
     request_id: str
     first_token_id: int
-    first_logprob: object | None = None  # engine.request.TokenLogprob
+    first_logprob: object | None = None  # pdserve.engine.request.TokenLogprob
     pages_in_shared_memory: bool = False  # the sender wrote the pages straight into our cache
 
 

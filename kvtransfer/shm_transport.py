@@ -16,7 +16,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from engine.kv_cache import kv_caches_over, stacked_view
+from pdserve.engine.kv_cache import kv_caches_over, stacked_view
 from kvtransfer.base import KvCommit, KvDestination, KvSender, KvStream, TransferError, contiguous_runs, copy_blocks, dtype_name
 from kvtransfer.grpc_transport import GrpcKvSender
 

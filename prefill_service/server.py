@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from cluster.node import NodeSettings, serve_node
-from engine.async_engine import AsyncEngine
+from pdserve.node import NodeSettings, serve_node
+from pdserve.engine.async_engine import AsyncEngine
 from kvtransfer.grpc_transport import GrpcKvSender
 from kvtransfer.shm_transport import ShmKvSender
 from prefill_service.servicer import PrefillServicer

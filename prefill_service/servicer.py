@@ -21,8 +21,8 @@ import logging
 
 import grpc
 
-from engine.async_engine import AsyncEngine
-from engine.sampling_params import SamplingParams
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.sampling_params import SamplingParams
 from kvtransfer.base import KvCommit, KvDestination, KvSender, KvStream, TransferError
 from protos import prefill_pb2, prefill_pb2_grpc
 from protos.convert import logprob_to_proto, sampling_params_from_proto

@@ -3,8 +3,8 @@ clients so that proto types stop at the edge. Torch-free (the gateway uses it)."
 
 from __future__ import annotations
 
-from engine.request import TokenLogprob
-from engine.sampling_params import SamplingParams
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
 from protos import common_pb2
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 
 TINY_VOCAB = 512
 
@@ -90,7 +90,7 @@ def build_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
     (vocabulary 49152), for end-to-end tests through the gateway."""
     import shutil
 
-    from engine.model_loader import resolve_model
+    from pdserve.engine.model_loader import resolve_model
 
     source = resolve_model("smollm2-135m").path
     build_tiny_model(folder, "llama", seed=seed, vocab_size=49152, eos_token_id=2, bos_token_id=1)

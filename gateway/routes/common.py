@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
-from engine.request import TokenLogprob
+from pdserve.engine.request import TokenLogprob
 from gateway.errors import RequestError
 from gateway.generation import ChoiceStream
 from gateway.protocol import ErrorResponse

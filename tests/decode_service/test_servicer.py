@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from decode_service.servicer import DecodeServicer
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
+from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.async_engine import AsyncEngine
 from kvtransfer.base import KvReceiver
 from kvtransfer.fake import FakeKvSender
 from prefill_service.servicer import PrefillServicer

@@ -15,8 +15,8 @@ import httpx
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.embedded_redis import EmbeddedRedis, free_port
-from cluster.registry import node_key
+from pdserve.cluster_state.embedded_redis import EmbeddedRedis, free_port
+from pdserve.cluster_state.registry import node_key
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ class ProcessGroup:
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")
         process = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", *args], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "pdserve.cli", *args], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.processes[name] = process

@@ -53,7 +53,7 @@ async def stream_chat(api: openai.AsyncOpenAI, model: str, question: str) -> tup
 
 def offline_generate(model: str, questions: list[str]) -> list[dict]:
     out = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "generate", "--model", model, "--chat", "--temperature", "0",
+        [sys.executable, "-m", "pdserve.cli", "generate", "--model", model, "--chat", "--temperature", "0",
          "--max-tokens", str(MAX_TOKENS), "--kv-cache-gib", "0.05", *questions],
         cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=300,
     )

@@ -11,7 +11,7 @@ import threading
 import openai
 import pytest
 
-from cluster.embedded_redis import free_port
+from pdserve.cluster_state.embedded_redis import free_port
 from tests.e2e.processes import REPO_ROOT
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 def base_url():
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "up", "--port", str(port)],
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port)],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

@@ -11,8 +11,8 @@ import httpx
 import pytest
 import redis
 
-from cluster.registry import NodeInfo, node_key
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from pdserve.cluster_state.registry import NodeInfo, node_key
+from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from gateway.tokenizer import Tokenizer
 from tests.e2e.processes import metric_samples, routed_counts, running_cluster, wait_until
 from tests.factories import build_tiny_chat_model

@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from engine.model_loader import DEFAULT_MODEL, resolve_model
+from pdserve.engine.model_loader import DEFAULT_MODEL, resolve_model
 from gateway import app as gateway_app
 from gateway.app import create_app
 from gateway.served_model import ServedModel, load_served_model

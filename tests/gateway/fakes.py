@@ -8,8 +8,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.request import TokenLogprob
-from engine.sampling_params import SamplingParams
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
 from gateway.backend import BackendError, GenerationChunk
 from gateway.tokenizer import Tokenizer
 

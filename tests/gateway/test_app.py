@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from engine.model_loader import DEFAULT_MODEL
+from pdserve.engine.model_loader import DEFAULT_MODEL
 from gateway.served_model import load_served_model
 from gateway.settings import GatewaySettings
 

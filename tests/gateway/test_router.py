@@ -8,8 +8,8 @@ import math
 import pytest
 from prometheus_client import REGISTRY
 
-from cluster.registry import NodeCapacity, NodeInfo, NodeLoad
-from engine.block_hash import hash_token_blocks
+from pdserve.cluster_state.registry import NodeCapacity, NodeInfo, NodeLoad
+from pdserve.engine.block_hash import hash_token_blocks
 from gateway.router import Router, RoutingPolicy
 
 BLOCK = 16

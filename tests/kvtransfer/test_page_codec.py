@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import TokenLogprob
+from pdserve.engine.request import TokenLogprob
 from kvtransfer.base import KEY, VALUE, KvCommit, KvPage
 from kvtransfer.page_codec import batch_pages, decode_request, encode_commit, encode_pages
 from protos import kv_transfer_pb2

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from engine.kv_cache import allocate_kv_caches
+from pdserve.engine.kv_cache import allocate_kv_caches
 from kvtransfer.base import KEY, VALUE, KvCommit, KvDestination, KvPage, KvReceiver, TransferError, TransferStatus, iter_pages
 from kvtransfer.fake import FakeKvSender
 

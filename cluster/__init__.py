@@ -1,1 +1,0 @@
-"""Cluster-level pieces: the `pdserve` command line and shared process set-up."""

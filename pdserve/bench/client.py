@@ -1,0 +1,173 @@
+"""A streaming OpenAI-compatible client that timestamps what arrives: one request, one record.
+
+Each request streams (`stream: true`, `stream_options.include_usage`), and every `data:` event is
+timed as it is parsed. An event whose choice carries text is a content chunk; the final usage
+event gives the exact output and prompt token counts. Anything short of a 200 stream of content
+ending in `data: [DONE]` (HTTP error, error event, timeout, dropped connection, no content) is a
+failed request with the reason in its record: failures are counted, never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.workloads import Message, completion_prompt
+
+ENDPOINT_TO_PATH = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    base_url: str  # the server's root, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
+    model: str | None = None  # None: the first model of GET /v1/models
+    endpoint: str = "completions"
+    timeout_s: float = 300.0  # per request, from send to [DONE]
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    api_key: str | None = None
+
+    def __post_init__(self):
+        if self.endpoint not in ENDPOINT_TO_PATH:
+            raise ValueError(f"unknown endpoint {self.endpoint!r}; choose chat or completions")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+    @property
+    def root_url(self) -> str:
+        url = self.base_url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass
+class _Stream:
+    """What one response has delivered so far."""
+
+    content_times_s: list[float]
+    text: str = ""
+    num_output_tokens: int | None = None
+    num_prompt_tokens: int | None = None
+    done: bool = False
+
+
+class StreamingClient:
+    """Sends requests over one pooled HTTP client; use as an async context manager."""
+
+    def __init__(self, config: ClientConfig, transport: httpx.AsyncBaseTransport | None = None):
+        self.config = config
+        self.model = config.model
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        # No connection cap (the load generator bounds concurrency) and no proxies from the environment.
+        self._http = httpx.AsyncClient(
+            base_url=config.root_url, headers=headers, timeout=httpx.Timeout(config.timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None), trust_env=False,
+            transport=transport,
+        )
+
+    async def __aenter__(self) -> StreamingClient:
+        if self.model is None:
+            self.model = await self.first_model()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self._http.aclose()
+
+    async def first_model(self) -> str:
+        response = await self._http.get("/v1/models")
+        response.raise_for_status()
+        models = response.json().get("data") or []
+        if not models:
+            raise ValueError(f"{self.config.root_url}/v1/models lists no model; pass --model")
+        return models[0]["id"]
+
+    def payload(self, messages: Sequence[Message], max_tokens: int) -> dict:
+        body = {
+            "model": self.model, "max_tokens": max_tokens, "temperature": self.config.temperature,
+            "stream": True, "stream_options": {"include_usage": True},
+        }
+        if self.config.ignore_eos:
+            body["ignore_eos"] = True  # vLLM's extension, which pdserve and SGLang accept too
+        if self.config.endpoint == "completions":
+            return body | {"prompt": completion_prompt(messages)}
+        if not all(isinstance(message["content"], str) for message in messages):
+            raise ValueError("token-id prompts need --endpoint completions")
+        return body | {"messages": list(messages)}
+
+    async def send(self, messages: Sequence[Message], max_tokens: int) -> tuple[RequestRecord, str]:
+        """One streamed request: its record and the text it generated (a later turn's history)."""
+        payload = self.payload(messages, max_tokens)
+        stream = _Stream(content_times_s=[])
+        start_s = time.perf_counter()
+        error = None
+        try:
+            async with asyncio.timeout(self.config.timeout_s):
+                error = await self._receive(payload, stream)
+        except TimeoutError:
+            error = f"timed out after {self.config.timeout_s:g} s"
+        except (httpx.HTTPError, httpx.StreamError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        end_s = time.perf_counter()
+        if error is None and not stream.done:
+            error = "stream ended without data: [DONE]"
+        if error is None and not stream.content_times_s:
+            error = "no content streamed"
+        record = RequestRecord(start_s, end_s, tuple(stream.content_times_s), stream.num_output_tokens,
+                               stream.num_prompt_tokens, error)
+        return record, stream.text
+
+    async def _receive(self, payload: dict, stream: _Stream) -> str | None:
+        """Reads the SSE stream into `stream`; returns an error message or None."""
+        path = ENDPOINT_TO_PATH[self.config.endpoint]
+        async with self._http.stream("POST", path, json=payload) as response:
+            if response.status_code != 200:
+                return f"HTTP {response.status_code}: {_error_message((await response.aread()).decode(errors='replace'))}"
+            async for line in response.aiter_lines():
+                now_s = time.perf_counter()
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, event names
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    stream.done = True
+                    return None
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    return f"malformed event: {data[:200]}"
+                error = _take_event(event, now_s, stream)
+                if error is not None:
+                    return error
+        return None
+
+
+def _take_event(event: dict, now_s: float, stream: _Stream) -> str | None:
+    if "error" in event:
+        return f"error event: {_error_message(json.dumps(event))}"
+    choices = event.get("choices") or []
+    if choices:
+        choice = choices[0]
+        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+        if text:
+            stream.content_times_s.append(now_s)
+            stream.text += text
+    usage = event.get("usage")
+    if usage:
+        stream.num_output_tokens = usage.get("completion_tokens")
+        stream.num_prompt_tokens = usage.get("prompt_tokens")
+    return None
+
+
+def _error_message(body: str) -> str:
+    """The OpenAI error object's message, else the start of the body."""
+    try:
+        error = json.loads(body).get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+    except (ValueError, AttributeError):
+        pass
+    return body[:200]

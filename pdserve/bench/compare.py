@@ -1,0 +1,223 @@
+"""`pdserve bench compare`: pdserve's cluster modes and transformers' peers side by side, one run.
+
+Every system gets the same prompts: bench/offline.py's synthetic English prompts of exactly
+--input-len token ids, a fresh set per concurrency level (so no prefix cache carries over), each
+generating exactly --output-len tokens (greedy, EOS ignored):
+
+  pdserve disaggregated  1 prefill + 1 decode node and the gateway, embedded Redis (the Launcher,
+                         as `pdserve up` runs it), loaded by `bench serve`'s client through
+                         /v1/completions with token-id prompts
+  pdserve colocated      one node computing both phases, same gateway
+  generate_batch         transformers' continuous batching, all N prompts at once (offline)
+  naive                  transformers generate(), one request after another (offline)
+
+Lifecycle:
+  1. per cluster mode: start it on free ports, wait until ready, warm up, then per concurrency N:
+     N clients send max(N, --min-requests) requests; stop it before the next starts
+  2. with no cluster running: load the transformers peers and time them with bench.offline.measure
+  3. print the markdown table (and write it to --output), optionally the raw results (--json)
+
+Offline systems have no TTFT, TPOT or ITL to measure: their cells are blank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from datetime import date
+from pathlib import Path
+
+from pdserve.bench import offline
+from pdserve.bench.client import ClientConfig
+from pdserve.bench.metrics import Distribution
+from pdserve.bench.serving import LevelResult, Load, run_benchmark
+from pdserve.bench.workloads import Conversation, user
+
+logger = logging.getLogger(__name__)
+
+CLUSTER_SYSTEMS = {"pdserve-disagg": False, "pdserve-colocated": True}  # system -> colocated
+OFFLINE_SYSTEMS = ("generate_batch", "naive")
+SYSTEMS = (*CLUSTER_SYSTEMS, *OFFLINE_SYSTEMS)
+PEERS = ("naive", "generate_batch")
+
+
+@dataclass(frozen=True)
+class CompareRow:
+    """One system at one concurrency; latencies in ms, None where the system has none."""
+
+    system: str
+    concurrency: int
+    output_throughput: float
+    num_requests: int
+    num_failed: int = 0
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    tpot_p50: float | None = None
+    itl_p99: float | None = None
+
+
+def row_from_level(system: str, result: LevelResult) -> CompareRow:
+    m = result.metrics
+    return CompareRow(
+        system, result.load.concurrency, m.output_throughput, m.num_requests, m.num_failed,
+        ttft_p50=_stat(m.ttft, "p50"), ttft_p99=_stat(m.ttft, "p99"),
+        tpot_p50=_stat(m.tpot, "p50"), itl_p99=_stat(m.itl, "p99"),
+    )
+
+
+def _stat(distribution: Distribution | None, name: str) -> float | None:
+    return None if distribution is None else getattr(distribution, name)
+
+
+def row_from_measurement(measurement: offline.Measurement) -> CompareRow:
+    return CompareRow(measurement.system, measurement.concurrency, measurement.tokens_per_s, measurement.num_requests)
+
+
+def ratio_to(rows: Sequence[CompareRow], row: CompareRow, peer: str) -> float | None:
+    """`row`'s output throughput over `peer`'s at the same concurrency; None if the peer was not run."""
+    peer_row = next((r for r in rows if r.system == peer and r.concurrency == row.concurrency), None)
+    return None if peer_row is None else row.output_throughput / peer_row.output_throughput
+
+
+def format_markdown(rows: Sequence[CompareRow]) -> str:
+    header = ["system", "concurrency", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)",
+              "ITL p99 (ms)", "vs naive", "vs generate_batch"]
+    order = {system: index for index, system in enumerate(SYSTEMS)}
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in sorted(rows, key=lambda r: (r.concurrency, order.get(r.system, len(order)))):
+        cells = [row.system, str(row.concurrency), f"{row.output_throughput:.1f}",
+                 *(_ms(value) for value in (row.ttft_p50, row.ttft_p99, row.tpot_p50, row.itl_p99)),
+                 *(_ratio(ratio_to(rows, row, peer)) for peer in PEERS)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}x"
+
+
+def conversations_for(tokenizer, tag: str, num_requests: int, input_len: int, output_len: int) -> list[Conversation]:
+    """offline.synthetic_prompts as token-id completions requests: the offline peers' very prompts."""
+    prompts = offline.synthetic_prompts(tokenizer, num_requests, input_len, tag=tag)
+    return [Conversation(index, ((user(prompt),),), (output_len,)) for index, prompt in enumerate(prompts)]
+
+
+def run_cluster(system: str, args: argparse.Namespace, tokenizer) -> list[LevelResult]:
+    """Starts one cluster mode, sweeps the concurrency levels through its gateway, stops it."""
+    from pdserve.cluster_state.embedded_redis import free_port
+    from pdserve.launcher import Launcher, LaunchPlan
+
+    loads = [Load(concurrency=c, num_requests=max(c, args.min_requests)) for c in args.concurrency]
+    tag_to_num_requests = {load.tag: load.num_requests for load in loads} | {"warmup": offline.NUM_WARMUP_REQUESTS}
+    plan = LaunchPlan(model=args.model, port=free_port(), colocated=CLUSTER_SYSTEMS[system])
+    launcher = Launcher(plan)
+    started_s = time.perf_counter()
+    try:
+        launcher.start()
+        launcher.wait_ready()
+        logger.info("%s ready in %.0f s", system, time.perf_counter() - started_s)
+        client_config = ClientConfig(base_url=f"http://127.0.0.1:{plan.port}", endpoint="completions",
+                                     timeout_s=args.timeout_s)
+
+        def source(tag: str) -> Iterator[Conversation]:
+            return iter(conversations_for(tokenizer, tag, tag_to_num_requests[tag], args.input_len, args.output_len))
+
+        _, results = asyncio.run(run_benchmark(client_config, loads, source, num_warmup=offline.NUM_WARMUP_REQUESTS))
+    finally:
+        launcher.stop()
+    return results
+
+
+def check_results(system: str, results: Sequence[LevelResult], output_len: int) -> list[str]:
+    """Notes for the table on anything that makes a row less than it claims."""
+    notes = []
+    for result in results:
+        m, label = result.metrics, f"{system} at concurrency {result.load.concurrency}"
+        if m.num_failed:
+            notes.append(f"{label}: {m.num_failed} of {m.num_requests} requests failed ({'; '.join(m.errors)})")
+        lengths = {record.output_tokens for record in result.records if record.succeeded}
+        if lengths - {output_len}:
+            notes.append(f"{label}: output lengths {sorted(lengths)}, expected {output_len}")
+    return notes
+
+
+def run_compare(args: argparse.Namespace) -> tuple[list[CompareRow], list[str], dict]:
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.model_loader import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model).path)
+    rows, notes, raw = [], [], {}
+    for system in [s for s in CLUSTER_SYSTEMS if s in args.systems]:
+        results = run_cluster(system, args, tokenizer)
+        rows += [row_from_level(system, result) for result in results]
+        notes += check_results(system, results, args.output_len)
+        raw[system] = [{"load": asdict(r.load), "metrics": asdict(r.metrics)} for r in results]
+    offline_systems = [s for s in OFFLINE_SYSTEMS if s in args.systems]
+    if offline_systems:
+        system_to_runner, _ = offline.build_runners(args.model, offline_systems)
+        measurements = offline.measure(system_to_runner, tokenizer, args.concurrency, args.input_len,
+                                       args.output_len, args.naive_max_requests)
+        rows += [row_from_measurement(m) for m in measurements]
+        if any(m.system == "naive" and m.num_requests < m.concurrency for m in measurements):
+            notes.append(f"naive: timed on min(N, {args.naive_max_requests}) requests run one after another; "
+                         "sequential throughput does not depend on N, so it stands for N")
+        raw["offline"] = [asdict(m) | {"tokens_per_s": m.tokens_per_s} for m in measurements]
+    return rows, notes, raw
+
+
+def describe_run(args: argparse.Namespace, seconds: float) -> str:
+    machine = f"{os.cpu_count()} CPUs, {platform.platform()}"
+    return (f"pdserve bench compare: {args.model}, prompts of {args.input_len} tokens, {args.output_len} output "
+            f"tokens (greedy, EOS ignored); {date.today().isoformat()}, {machine}; took {seconds:.0f} s")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pdserve bench compare", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="alias, Hugging Face folder or .gguf file")
+    parser.add_argument("--concurrency", type=offline.int_list, default=[1, 8, 32], help="e.g. 1,8,32")
+    parser.add_argument("--input-len", type=int, default=200, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
+    parser.add_argument("--systems", type=offline.name_list(SYSTEMS), default=list(SYSTEMS), help=",".join(SYSTEMS))
+    parser.add_argument("--min-requests", type=int, default=4,
+                        help="clusters: at least this many requests per level, so that percentiles have samples")
+    parser.add_argument("--naive-max-requests", type=int, default=4,
+                        help="naive is timed on at most this many requests per concurrency")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    parser.add_argument("--output", type=Path, help="also write the markdown here")
+    parser.add_argument("--json", type=Path, help="also write the raw results here")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    started_s = time.perf_counter()
+    rows, notes, raw = run_compare(args)
+    markdown = "\n\n".join(filter(None, [
+        describe_run(args, time.perf_counter() - started_s),
+        format_markdown(rows),
+        "\n".join(f"- {note}" for note in notes),
+    ])) + "\n"
+    print(markdown, end="")
+    if args.output:
+        args.output.write_text(markdown)
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args), "rows": [asdict(r) for r in rows], "raw": raw},
+                                        indent=2, default=str))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    main()

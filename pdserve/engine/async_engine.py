@@ -1,0 +1,136 @@
+"""Runs an LLMEngine in its own thread and bridges it to asyncio callers.
+
+Lifecycle:
+  1. `start()` launches the engine thread (or `run_in_current_thread()` makes the caller's
+     thread the engine thread: nodes use their main thread, where torch's CPU kernels run
+     multi-threaded; from a secondary thread they ran about 1.5x slower here); it loops: run
+     queued commands (add, abort, reserve, ...), then `step()` if any request is unfinished,
+     else sleep until a command arrives;
+  2. callers `await call(fn)` to run `fn(engine)` on the engine thread between two steps
+     (the engine is never touched from two threads), and read a request's outputs from the
+     asyncio queue that `open_stream` returned;
+  3. `stop()` ends the loop and joins the thread.
+No forward pass ever runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Owns the engine thread; mutates the engine only from that thread."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], asyncio.Future, asyncio.AbstractEventLoop]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._streams_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.load: dict[str, int] = engine.load()  # refreshed on the engine thread every loop
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def run_in_current_thread(self) -> None:
+        """Runs the engine loop here until `stop()` is called from another thread."""
+        self._run()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.submit(lambda engine: None)  # wakes the loop
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Runs fn(engine) on the engine thread; returns its result or raises its exception."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put((fn, future, loop))
+        return await future
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        """Queue that receives the request's RequestOutputs, on the caller's event loop."""
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._streams_lock:
+            self._streams[request_id] = (stream, asyncio.get_running_loop())
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        with self._streams_lock:
+            self._streams.pop(request_id, None)
+
+    def publish(self, outputs: list[RequestOutput]) -> None:
+        """Hands outputs to their streams (thread-safe: may run on the engine thread)."""
+        with self._streams_lock:
+            targets = [(self._streams.get(o.request_id), o) for o in outputs]
+        for target, output in targets:
+            if target is not None:
+                stream, loop = target
+                loop.call_soon_threadsafe(stream.put_nowait, output)
+
+    def submit(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Queues fn(engine) without waiting (safe from cleanup code that may be cancelled)."""
+        self._commands.put((fn, None, None))
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._run_commands(block=not self.engine.has_unfinished_requests)
+            if not self._stopping.is_set() and self.engine.has_unfinished_requests:
+                self._step()
+            self.load = self.engine.load()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # a broken step must not kill the node silently
+            logger.exception("engine step failed")
+            raise
+        self.publish(outputs)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._run_command(*item)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run_command(self, fn, future, loop) -> None:
+        if future is None:  # submitted without a waiter
+            try:
+                fn(self.engine)
+            except Exception:
+                logger.exception("engine command failed")
+            return
+        try:
+            result = fn(self.engine)
+        except BaseException as error:  # handed to the awaiting caller
+            loop.call_soon_threadsafe(_set_exception, future, error)
+        else:
+            loop.call_soon_threadsafe(_set_result, future, result)
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

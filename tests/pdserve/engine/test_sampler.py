@@ -1,0 +1,177 @@
+"""Sampler and SamplingParams: greedy, seeded reproducibility, top-k / top-p support, the
+temperature-scaled distribution, logprobs, and parameter validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.sampler import Sampler, apply_top_k_top_p
+from pdserve.engine.sampling_params import SamplingParams
+
+VOCAB = 50
+CHI2_DF3_P001 = 16.27  # chi-square critical value, 3 degrees of freedom, p = 0.001
+
+
+def generators(*seeds: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def spread_logits(seed: int = 0, scale: float = 0.5) -> torch.Tensor:
+    """One row of logits flat enough that every token is drawn now and then."""
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def draw_many(logits_row: torch.Tensor, params: SamplingParams, num_rows: int = 500, num_calls: int = 4) -> torch.Tensor:
+    """num_rows * num_calls draws of one distribution: a batch of rows, each with its own generator."""
+    sampler = Sampler()
+    logits = logits_row.expand(num_rows, -1).clone()
+    gens = generators(*range(num_rows))
+    draws = [sampler(logits, [params] * num_rows, gens).token_ids for _ in range(num_calls)]
+    return torch.tensor(draws).flatten()
+
+
+def test_greedy_takes_the_argmax_and_leaves_the_generator_alone():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
+    gens = generators(0, 1, 2)
+    states = [g.get_state() for g in gens]
+    out = Sampler()(logits, [SamplingParams(temperature=0.0)] * 3, gens)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs == [None, None, None]
+    assert all(torch.equal(g.get_state(), s) for g, s in zip(gens, states))
+
+
+def test_greedy_and_random_rows_mix_in_one_batch():
+    logits = torch.stack([spread_logits(1), spread_logits(2)])
+    logits[0, 7] = 100.0
+    out = Sampler()(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)], generators(0, 1))
+    assert out.token_ids == [7, int(logits[1].argmax())]
+
+
+def test_seeded_row_draws_the_same_tokens_whatever_shares_its_batch():
+    sampler = Sampler()
+    row = spread_logits(3)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    others = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=3)]
+
+    alone_gen = generators(1234)
+    alone = [sampler(row[None], [seeded], alone_gen).token_ids[0] for _ in range(20)]
+
+    batch_gens = generators(5, 1234, 6)
+    batch = torch.stack([spread_logits(4), row, spread_logits(5)])
+    in_batch = [sampler(batch, [others[0], seeded, others[1]], batch_gens).token_ids[1] for _ in range(20)]
+
+    assert in_batch == alone
+    assert len(set(alone)) > 5  # really sampling, not a constant
+
+
+def test_different_seeds_draw_different_tokens():
+    sampler = Sampler()
+    row = spread_logits(3)[None]
+    gen_a, gen_b = generators(1, 2)
+    a = [sampler(row, [SamplingParams()], [gen_a]).token_ids[0] for _ in range(20)]
+    b = [sampler(row, [SamplingParams()], [gen_b]).token_ids[0] for _ in range(20)]
+    assert a != b
+
+
+def test_top_k_never_draws_outside_the_k_highest_logits():
+    row = spread_logits(6)
+    draws = draw_many(row, SamplingParams(top_k=5))
+    allowed = set(row.topk(5).indices.tolist())
+    assert set(draws.tolist()) == allowed  # all five drawn, nothing else (of 2000 draws)
+
+
+def test_top_p_never_draws_outside_the_nucleus():
+    row = spread_logits(7, scale=1.5)
+    probs, ids = torch.softmax(row, -1).sort(descending=True)
+    # Smallest prefix of the sorted tokens whose mass reaches 0.5.
+    nucleus_size = int((probs.cumsum(-1) < 0.5).sum()) + 1
+    nucleus = set(ids[:nucleus_size].tolist())
+    assert 2 < nucleus_size < VOCAB // 2
+
+    draws = draw_many(row, SamplingParams(top_p=0.5))
+    assert set(draws.tolist()) == nucleus
+
+
+def test_apply_top_k_top_p_masks_exactly_per_row():
+    logits = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3]] * 4))
+    params = [SamplingParams(top_k=3), SamplingParams(top_p=0.65), SamplingParams(top_k=3, top_p=0.35), SamplingParams(top_k=-1)]
+    kept = torch.isfinite(apply_top_k_top_p(logits, params))
+    assert kept.tolist() == [
+        [False, True, True, True],  # the three largest
+        [False, True, False, True],  # 0.4 + 0.3 reaches 0.65
+        [False, True, False, False],  # 0.4 alone reaches 0.35
+        [True, True, True, True],  # -1 disables top-k
+    ]
+    assert torch.equal(apply_top_k_top_p(logits, params)[kept], logits[kept])
+
+
+def test_disabled_top_p_keeps_the_low_probability_tail():
+    """A row with top_p=1.0 must keep its whole vocabulary even when another row in the batch
+    turns filtering on (otherwise a seeded row's distribution depends on its batch)."""
+    logits = torch.tensor([[20.0, 0.0, 0.0, 0.0], [20.0, 0.0, 0.0, 0.0]])
+    filtered = apply_top_k_top_p(logits, [SamplingParams(), SamplingParams(top_k=2)])
+    assert torch.equal(filtered[0], logits[0])
+    assert torch.isfinite(filtered[1]).tolist() == [True, True, False, False]
+
+
+def test_temperature_sampling_follows_the_scaled_softmax():
+    logits = torch.tensor([1.0, 0.5, 0.0, -1.0])
+    temperature = 0.7
+    draws = draw_many(logits, SamplingParams(temperature=temperature))
+    counts = torch.bincount(draws, minlength=4).double()
+
+    def chi2(expected_probs: torch.Tensor) -> float:
+        expected = expected_probs.double() * len(draws)
+        return float(((counts - expected) ** 2 / expected).sum())
+
+    assert chi2(torch.softmax(logits / temperature, -1)) < CHI2_DF3_P001
+    assert chi2(torch.softmax(logits, -1)) > CHI2_DF3_P001  # temperature is not ignored
+
+
+def test_logprobs_of_the_sampled_token_and_top_alternatives():
+    logits = torch.stack([spread_logits(8, scale=2.0), spread_logits(9, scale=2.0), spread_logits(10)])
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(logprobs=0), SamplingParams()]
+    out = Sampler()(logits, params, generators(0, 1, 2))
+    expected = torch.log_softmax(logits, dim=-1)
+
+    greedy = out.logprobs[0]
+    assert greedy.token_id == out.token_ids[0]
+    assert greedy.logprob == pytest.approx(expected[0, greedy.token_id].item(), abs=1e-5)
+    top_ids = expected[0].topk(3).indices.tolist()
+    assert list(greedy.top_logprobs) == top_ids
+    assert list(greedy.top_logprobs.values()) == pytest.approx(expected[0, top_ids].tolist(), abs=1e-5)
+    assert list(greedy.top_logprobs.values()) == sorted(greedy.top_logprobs.values(), reverse=True)
+
+    sampled = out.logprobs[1]
+    assert sampled.logprob == pytest.approx(expected[1, out.token_ids[1]].item(), abs=1e-5)
+    assert sampled.top_logprobs == {}
+    assert out.logprobs[2] is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(max_tokens=0),
+        dict(temperature=-0.1),
+        dict(top_p=0.0),
+        dict(top_p=1.01),
+        dict(top_k=-2),
+        dict(logprobs=-1),
+        dict(logprobs=21),
+    ],
+    ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()),
+)
+def test_sampling_params_reject_bad_values(bad):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**bad)
+
+
+def test_sampling_params_accept_the_edges():
+    SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=-1, logprobs=0)
+    SamplingParams(logprobs=20, top_k=1, top_p=1e-6)
+    params = SamplingParams(stop_token_ids=[3, 4])
+    assert params.stop_token_ids == (3, 4)
+    assert hash(params) == hash(SamplingParams(stop_token_ids=(3, 4)))
+    assert SamplingParams(temperature=0.0).greedy and not SamplingParams(temperature=1e-3).greedy
