@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.node import NodeSettings, serve_node
 from decode_service.servicer import DecodeServicer
-from pdserve.engine.async_engine import AsyncEngine
 from kvtransfer.base import KvReceiver
 from kvtransfer.grpc_transport import KvTransferServicer
 from kvtransfer.shm_transport import SharedKvCache, host_id
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.node import NodeSettings, serve_node
 from protos import decode_pb2_grpc
 
 

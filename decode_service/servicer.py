@@ -18,9 +18,9 @@ import logging
 
 import grpc
 
+from kvtransfer.base import KvReceiver, TransferError
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.request import RequestOutput
-from kvtransfer.base import KvReceiver, TransferError
 from protos import decode_pb2, decode_pb2_grpc
 from protos.convert import logprob_to_proto, sampling_params_from_proto
 
@@ -39,7 +39,9 @@ def chunk_message(output: RequestOutput) -> decode_pb2.GenerateResponse:
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, async_engine: AsyncEngine, receiver: KvReceiver, kv_timeout_s: float, shared_kv=None, host_id: str = "") -> None:
+    def __init__(
+        self, async_engine: AsyncEngine, receiver: KvReceiver, kv_timeout_s: float, shared_kv=None, host_id: str = ""
+    ) -> None:
         self.async_engine = async_engine
         self.receiver = receiver
         self.kv_timeout_s = kv_timeout_s
@@ -48,7 +50,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def stats(self) -> dict[str, int]:
         """Transfer counters for the registry (pdserve.cluster_state.registry.NodeStats)."""
-        return {"kv_blocks_received": self.receiver.num_blocks_received, "kv_bytes_received": self.receiver.num_bytes_received}
+        return {
+            "kv_blocks_received": self.receiver.num_blocks_received,
+            "kv_bytes_received": self.receiver.num_bytes_received,
+        }
 
     async def close(self) -> None:
         if self.shared_kv is not None:
@@ -99,10 +104,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode node has no free KV blocks for this prompt")
         self.receiver.reserve(rid, reservation.block_ids)  # only the blocks not cached here already
         reserved = decode_pb2.Reserved(
-            num_blocks=len(reservation.block_ids), block_ids=reservation.block_ids, num_cached_blocks=reservation.num_cached_blocks
+            num_blocks=len(reservation.block_ids),
+            block_ids=reservation.block_ids,
+            num_cached_blocks=reservation.num_cached_blocks,
         )
         if self.shared_kv is not None:
-            reserved.shm_name, reserved.host_id, reserved.kv_layout = self.shared_kv.name, self.host_id, self.shared_kv.layout
+            reserved.shm_name, reserved.host_id, reserved.kv_layout = (
+                self.shared_kv.name,
+                self.host_id,
+                self.shared_kv.layout,
+            )
         return decode_pb2.GenerateResponse(reserved=reserved)
 
     async def _await_pages(self, rid, timeout_s: float, context) -> RequestOutput | None:

@@ -32,7 +32,9 @@ def create_app(settings: GatewaySettings, backend: GenerationBackend) -> FastAPI
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.backend = backend
         app.state.served_model = load_served_model(settings)
-        logger.info("gateway serves %s (max_model_len %d)", app.state.served_model.name, app.state.served_model.max_model_len)
+        logger.info(
+            "gateway serves %s (max_model_len %d)", app.state.served_model.name, app.state.served_model.max_model_len
+        )
         yield
 
     app = FastAPI(title="pdserve gateway", summary="OpenAI-compatible API of a pdserve cluster", lifespan=lifespan)

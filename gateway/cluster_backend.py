@@ -21,11 +21,11 @@ from collections.abc import AsyncIterator
 import grpc
 from prometheus_client import Counter
 
+from gateway.backend import BackendError, BackendErrorKind, GenerationChunk
+from gateway.router import Route, Router
 from pdserve.cluster_state.kv_index import KvIndexReader
 from pdserve.cluster_state.registry import NodeInfo, RegistryView
 from pdserve.engine.sampling_params import SamplingParams
-from gateway.backend import BackendError, BackendErrorKind, GenerationChunk
-from gateway.router import Route, Router
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from protos.convert import logprob_from_proto, sampling_params_to_proto
 
@@ -59,7 +59,9 @@ class ClusterBackend:
             return True
         return bool(self.registry.nodes("prefill") and self.registry.nodes("decode"))
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
         tried: set[str] = set()
         last_error: grpc.aio.AioRpcError | None = None
         for _ in range(MAX_ATTEMPTS):
@@ -87,7 +89,9 @@ class ClusterBackend:
     @staticmethod
     def _blamed(route: Route, error: grpc.aio.AioRpcError) -> set[str]:
         # Which node failed is in the error's origin; without it, avoid both next time.
-        return {n.node_id for n in route.nodes if n.address in (error.details() or "")} or {n.node_id for n in route.nodes}
+        return {n.node_id for n in route.nodes if n.address in (error.details() or "")} or {
+            n.node_id for n in route.nodes
+        }
 
     async def _run(self, rid, prompt, params, route: Route) -> AsyncIterator[GenerationChunk]:
         prefill, decode = route.prefill, route.decode
@@ -110,7 +114,9 @@ class ClusterBackend:
                     first = await self._prefill(prefill, decode, reserved, rid, prompt, params)
                 finally:
                     lease.prefill_done()
-                first.route = route_header(route, first.num_cached_tokens, reserved.num_cached_blocks * decode.capacity.block_size)
+                first.route = route_header(
+                    route, first.num_cached_tokens, reserved.num_cached_blocks * decode.capacity.block_size
+                )
                 yield first
                 if first.finish_reason is not None:
                     return
@@ -151,7 +157,9 @@ class ClusterBackend:
         PROMPT_TOKENS.labels(prefill.node_id).inc(len(prompt))
         CACHED_PROMPT_TOKENS.labels(prefill.node_id).inc(response.num_cached_tokens)
         logprobs = [logprob_from_proto(response.first_logprob)] if response.HasField("first_logprob") else []
-        return GenerationChunk([response.first_token_id], logprobs, response.finish_reason or None, response.num_cached_tokens)
+        return GenerationChunk(
+            [response.first_token_id], logprobs, response.finish_reason or None, response.num_cached_tokens
+        )
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:

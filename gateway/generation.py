@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from pdserve.engine.request import TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
 from gateway.backend import BackendError, BackendErrorKind, GenerationBackend
 from gateway.detokenizer import Detokenizer
 from gateway.tokenizer import Tokenizer
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,9 @@ async def _open_backend_stream(backend: GenerationBackend, spec: ChoiceSpec) -> 
     return await stream if inspect.isawaitable(stream) else stream
 
 
-async def stream_choice(backend: GenerationBackend, tokenizer: Tokenizer, spec: ChoiceSpec) -> AsyncIterator[ChoiceDelta]:
+async def stream_choice(
+    backend: GenerationBackend, tokenizer: Tokenizer, spec: ChoiceSpec
+) -> AsyncIterator[ChoiceDelta]:
     """The deltas of one choice; the last one has the finish reason. Only non-empty text or the
     finish makes a delta: logprobs of held-back tokens wait for the text they belong to."""
     detokenizer = Detokenizer(tokenizer, spec.stop)
@@ -87,7 +89,9 @@ async def stream_choice(backend: GenerationBackend, tokenizer: Tokenizer, spec: 
             if pending.text:
                 yield pending
                 pending = ChoiceDelta(spec.index, "", num_cached_tokens=pending.num_cached_tokens)
-        raise BackendError(BackendErrorKind.UNAVAILABLE, f"request {spec.request_id}: the stream ended without a finish reason")
+        raise BackendError(
+            BackendErrorKind.UNAVAILABLE, f"request {spec.request_id}: the stream ended without a finish reason"
+        )
     finally:
         await close_quietly(stream)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pdserve.engine.request import TokenLogprob
 from gateway.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from gateway.tokenizer import Tokenizer
+from pdserve.engine.request import TokenLogprob
 
 
 def completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:

@@ -35,17 +35,25 @@ from dataclasses import dataclass
 from prometheus_client import Counter as MetricCounter
 from prometheus_client import Gauge
 
+from gateway.settings import RoutingPolicy
 from pdserve.cluster_state.kv_index import KvIndexReader
 from pdserve.cluster_state.registry import NodeInfo, RegistryView
 from pdserve.engine.block_hash import hash_token_blocks
-from gateway.settings import RoutingPolicy
 
 ROUTING_DECISIONS = MetricCounter(
-    "pdserve_gateway_routing_decisions", "Nodes picked, by policy, role and why", ["policy", "role", "node_id", "reason"]
+    "pdserve_gateway_routing_decisions",
+    "Nodes picked, by policy, role and why",
+    ["policy", "role", "node_id", "reason"],
 )
-IN_FLIGHT = Gauge("pdserve_gateway_in_flight_requests", "Requests this gateway has sent to a node that it has not finished", ["node_id"])
+IN_FLIGHT = Gauge(
+    "pdserve_gateway_in_flight_requests",
+    "Requests this gateway has sent to a node that it has not finished",
+    ["node_id"],
+)
 QUEUED_TOKENS = Gauge(
-    "pdserve_gateway_queued_prompt_tokens", "Uncached prompt tokens this gateway has sent to a prefill node, prefill not returned", ["node_id"]
+    "pdserve_gateway_queued_prompt_tokens",
+    "Uncached prompt tokens this gateway has sent to a prefill node, prefill not returned",
+    ["node_id"],
 )
 
 
@@ -152,10 +160,14 @@ class Router:
         # Load is requests in flight, counting this one; the ceiling keeps the least loaded within.
         cap = math.ceil(self.load_factor * (sum(self.in_flight[n.node_id] for n in nodes) + 1) / len(nodes))
         within = [n for n in nodes if self.in_flight[n.node_id] + 1 <= cap]
-        return self._cheapest(nodes, within, lambda n: (-cached.get(n.node_id, 0), *self._decode_load(n), n.node_id), cached)
+        return self._cheapest(
+            nodes, within, lambda n: (-cached.get(n.node_id, 0), *self._decode_load(n), n.node_id), cached
+        )
 
     @staticmethod
-    def _cheapest(nodes: list[NodeInfo], within_cap: list[NodeInfo], cost, cached: dict[str, int]) -> tuple[NodeInfo, str]:
+    def _cheapest(
+        nodes: list[NodeInfo], within_cap: list[NodeInfo], cost, cached: dict[str, int]
+    ) -> tuple[NodeInfo, str]:
         """The cheapest node within the bounded-load cap, and why it won."""
         best = min(within_cap, key=cost)
         unbounded_best = min(nodes, key=cost)

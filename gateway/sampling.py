@@ -3,10 +3,10 @@ choice, each with its SamplingParams and a max_tokens that fits the model's cont
 
 from __future__ import annotations
 
-from pdserve.engine.sampling_params import SamplingParams
 from gateway.errors import RequestError
 from gateway.generation import ChoiceSpec
 from gateway.protocol import SamplingRequest
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def choice_specs(
@@ -24,7 +24,9 @@ def choice_specs(
     that the n choices differ but the response is reproducible."""
     specs = []
     for p, prompt_token_ids in enumerate(prompts):
-        max_tokens = fit_max_tokens(requested_max_tokens, default_max_tokens, len(prompt_token_ids), max_model_len, prompt_param)
+        max_tokens = fit_max_tokens(
+            requested_max_tokens, default_max_tokens, len(prompt_token_ids), max_model_len, prompt_param
+        )
         for i in range(request.n):
             index = p * request.n + i
             params = _sampling_params(request, max_tokens, i, logprobs)
@@ -32,7 +34,9 @@ def choice_specs(
     return specs
 
 
-def fit_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str) -> int:
+def fit_max_tokens(
+    requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str
+) -> int:
     """The request's max_tokens; unset, the default (None: the rest of the context) cut to fit."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
@@ -55,7 +59,9 @@ def fit_max_tokens(requested: int | None, default: int | None, num_prompt_tokens
     return requested
 
 
-def _sampling_params(request: SamplingRequest, max_tokens: int, sample_index: int, logprobs: int | None) -> SamplingParams:
+def _sampling_params(
+    request: SamplingRequest, max_tokens: int, sample_index: int, logprobs: int | None
+) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,

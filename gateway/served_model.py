@@ -6,9 +6,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.engine.model_loader import resolve_model
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import Tokenizer
+from pdserve.engine.model_loader import resolve_model
 
 
 @dataclass(frozen=True)

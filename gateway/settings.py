@@ -11,7 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from pdserve.engine.model_loader import DEFAULT_MODEL
 
 
-class RoutingPolicy(str, enum.Enum):
+class RoutingPolicy(enum.StrEnum):
     """How the router picks nodes (gateway/router.py)."""
 
     ROUND_ROBIN = "round_robin"
@@ -27,8 +27,16 @@ class GatewaySettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     redis_url: str | None = Field(None, description="the cluster's Redis; default: the embedded one")
-    max_model_len: int | None = Field(None, ge=1, description="prompt + output tokens; default: config.json max_position_embeddings")
-    router_policy: RoutingPolicy = Field(RoutingPolicy.PREFIX_AWARE, description="how prefill and decode nodes are picked")
-    router_load_factor: float = Field(1.25, ge=1.0, description="bounded-load cap: a node above this factor x its role's mean load gets no new request (gateway/router.py)")
+    max_model_len: int | None = Field(
+        None, ge=1, description="prompt + output tokens; default: config.json max_position_embeddings"
+    )
+    router_policy: RoutingPolicy = Field(
+        RoutingPolicy.PREFIX_AWARE, description="how prefill and decode nodes are picked"
+    )
+    router_load_factor: float = Field(
+        1.25,
+        ge=1.0,
+        description="bounded-load cap: a node above this factor x its role's mean load gets no new request",
+    )
     log_level: str = "info"
     access_log: bool = Field(False, description="one log line per HTTP request")

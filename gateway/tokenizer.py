@@ -12,7 +12,7 @@ import re
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
@@ -123,7 +123,9 @@ def _read_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     return template
 
 
-def _eos_token_ids(backend: tokenizers.Tokenizer, special_tokens: dict[str, str], generation_config: dict) -> tuple[int, ...]:
+def _eos_token_ids(
+    backend: tokenizers.Tokenizer, special_tokens: dict[str, str], generation_config: dict
+) -> tuple[int, ...]:
     ids = generation_config.get("eos_token_id")
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     if "eos_token" in special_tokens and (eos_id := backend.token_to_id(special_tokens["eos_token"])) is not None:
@@ -140,7 +142,9 @@ def _has_byte_level_decoder(decoder: dict[str, Any]) -> bool:
 @lru_cache(maxsize=1)
 def _unicode_to_byte() -> dict[str, int]:
     """The inverse of GPT-2's byte-to-printable-character table that byte-level BPE vocabularies use."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     byte_values, code_points = printable[:], printable[:]
     for byte in range(256):
         if byte not in printable:
@@ -152,7 +156,7 @@ def _unicode_to_byte() -> dict[str, int]:
 class _GenerationTagExtension(jinja2.ext.Extension):
     """Accepts `{% generation %}...{% endgeneration %}` (used by training templates) and renders its body."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -164,7 +168,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     # jinja's own tojson escapes HTML characters; chat templates expect plain JSON (as in transformers).
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

@@ -195,7 +195,7 @@ class KvReceiver:
         reservation = self.reservations[request_id]
         try:
             await asyncio.wait_for(reservation.done.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.fail(request_id, f"request {request_id}: KV pages did not arrive within {timeout_s:.1f} s")
         if reservation.status == TransferStatus.FAILED:
             raise TransferError(reservation.reason)
@@ -216,13 +216,20 @@ class KvReceiver:
         where = f"request {page.request_id}, layer {page.layer}, blocks {page.block_index}+{page.num_blocks}"
         if not 0 <= page.layer < self.num_layers or page.kind not in (KEY, VALUE):
             return f"{where}: no such layer/kind (model has {self.num_layers} layers)"
-        if page.num_blocks < 1 or page.block_index < 0 or page.block_index + page.num_blocks > len(reservation.block_ids):
+        if (
+            page.num_blocks < 1
+            or page.block_index < 0
+            or page.block_index + page.num_blocks > len(reservation.block_ids)
+        ):
             return f"{where}: outside the {len(reservation.block_ids)} reserved blocks"
         if page.dtype != dtype_name(self.dtype):
             return f"{where}: dtype {page.dtype}, expected {dtype_name(self.dtype)}"
         if len(page.data) != page.num_blocks * self.block_bytes:
             return f"{where}: {len(page.data)} bytes, expected {page.num_blocks * self.block_bytes}"
-        if any((page.layer, page.kind, i) in reservation.received for i in range(page.block_index, page.block_index + page.num_blocks)):
+        if any(
+            (page.layer, page.kind, i) in reservation.received
+            for i in range(page.block_index, page.block_index + page.num_blocks)
+        ):
             return f"{where}: duplicate page"
         return ""
 

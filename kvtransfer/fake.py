@@ -35,7 +35,9 @@ class FakeKvStream(KvStream):
         self.layers_sent: list[int] = []
 
     def send_layer(self, layer: int, block_ids: list[int]) -> None:
-        pages = list(iter_pages(self.kv_caches, self.request_id, block_ids, self.sender.max_page_bytes, range(layer, layer + 1)))
+        pages = list(
+            iter_pages(self.kv_caches, self.request_id, block_ids, self.sender.max_page_bytes, range(layer, layer + 1))
+        )
         self.layers_sent.append(layer)
         self.loop.call_soon_threadsafe(self._deliver, pages)
 

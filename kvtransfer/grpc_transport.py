@@ -13,7 +13,14 @@ import asyncio
 import grpc
 
 from kvtransfer.base import KvCommit, KvDestination, KvReceiver, KvSender, KvStream, TransferError, iter_pages
-from kvtransfer.page_codec import batch_pages, commit_from_proto, commit_to_proto, decode_request, encode_commit, encode_pages
+from kvtransfer.page_codec import (
+    batch_pages,
+    commit_from_proto,
+    commit_to_proto,
+    decode_request,
+    encode_commit,
+    encode_pages,
+)
 from protos import kv_transfer_pb2
 
 NUM_PARALLEL_STREAMS = 2
@@ -42,7 +49,10 @@ class GrpcKvSender(KvSender):
         # commit follows when both are in.
         layer_sets = [range(start, len(kv_caches), NUM_PARALLEL_STREAMS) for start in range(NUM_PARALLEL_STREAMS)]
         await asyncio.gather(
-            *(self._push(destination.address, self._pages(kv_caches, block_ids, commit.request_id, layers)) for layers in layer_sets)
+            *(
+                self._push(destination.address, self._pages(kv_caches, block_ids, commit.request_id, layers))
+                for layers in layer_sets
+            )
         )
         await self.commit(destination, commit)
 
@@ -52,18 +62,24 @@ class GrpcKvSender(KvSender):
     async def commit(self, destination: KvDestination, commit: KvCommit) -> None:
         """The commit alone, in one unary call (the pages travelled another way)."""
         commit_kv = self._channel(destination.address).unary_unary(
-            COMMIT_KV, request_serializer=kv_transfer_pb2.KvCommit.SerializeToString, response_deserializer=kv_transfer_pb2.PushKvResponse.FromString
+            COMMIT_KV,
+            request_serializer=kv_transfer_pb2.KvCommit.SerializeToString,
+            response_deserializer=kv_transfer_pb2.PushKvResponse.FromString,
         )
         try:
             response = await commit_kv(commit_to_proto(commit))
         except grpc.aio.AioRpcError as error:
-            raise TransferError(f"commit to {destination.address} failed: {error.code().name} {error.details()}") from error
+            raise TransferError(
+                f"commit to {destination.address} failed: {error.code().name} {error.details()}"
+            ) from error
         if not response.ok:
             raise TransferError(response.error)
 
     async def _push(self, address: str, messages) -> None:
         # Messages arrive encoded (bytes): the sender controls every copy of the page data.
-        push_kv = self._channel(address).stream_unary(PUSH_KV, request_serializer=None, response_deserializer=kv_transfer_pb2.PushKvResponse.FromString)
+        push_kv = self._channel(address).stream_unary(
+            PUSH_KV, request_serializer=None, response_deserializer=kv_transfer_pb2.PushKvResponse.FromString
+        )
         try:
             response = await push_kv(messages)
         except grpc.aio.AioRpcError as error:
@@ -128,12 +144,16 @@ class KvTransferServicer:
         """Registers both methods; PushKv messages are decoded by page_codec (pages as views)."""
         respond = kv_transfer_pb2.PushKvResponse.SerializeToString
         handlers = {
-            "PushKv": grpc.stream_unary_rpc_method_handler(self.PushKv, request_deserializer=decode_request, response_serializer=respond),
+            "PushKv": grpc.stream_unary_rpc_method_handler(
+                self.PushKv, request_deserializer=decode_request, response_serializer=respond
+            ),
             "CommitKv": grpc.unary_unary_rpc_method_handler(
                 self.CommitKv, request_deserializer=kv_transfer_pb2.KvCommit.FromString, response_serializer=respond
             ),
         }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.KvTransferService", handlers),))
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("pdserve.v1.KvTransferService", handlers),)
+        )
 
     async def PushKv(self, request_iterator, context) -> kv_transfer_pb2.PushKvResponse:
         try:

@@ -80,7 +80,9 @@ def _encode_page(page: KvPage) -> list:
 
 def commit_to_proto(commit: KvCommit) -> kv_transfer_pb2.KvCommit:
     message = kv_transfer_pb2.KvCommit(
-        request_id=commit.request_id, first_token_id=commit.first_token_id, pages_in_shared_memory=commit.pages_in_shared_memory
+        request_id=commit.request_id,
+        first_token_id=commit.first_token_id,
+        pages_in_shared_memory=commit.pages_in_shared_memory,
     )
     if commit.first_logprob is not None:
         message.first_logprob.CopyFrom(logprob_to_proto(commit.first_logprob))

@@ -16,9 +16,18 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from pdserve.engine.kv_cache import kv_caches_over, stacked_view
-from kvtransfer.base import KvCommit, KvDestination, KvSender, KvStream, TransferError, contiguous_runs, copy_blocks, dtype_name
+from kvtransfer.base import (
+    KvCommit,
+    KvDestination,
+    KvSender,
+    KvStream,
+    TransferError,
+    contiguous_runs,
+    copy_blocks,
+    dtype_name,
+)
 from kvtransfer.grpc_transport import GrpcKvSender
+from pdserve.engine.kv_cache import kv_caches_over, stacked_view
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +47,7 @@ def host_id() -> str:
 
 
 def layout_string(num_layers: int, block_shape, dtype: torch.dtype) -> str:
-    """"layers,blocks,block_size,kv_heads,head_dim,dtype": what two caches must share."""
+    """ "layers,blocks,block_size,kv_heads,head_dim,dtype": what two caches must share."""
     return ",".join(map(str, (num_layers, *block_shape, dtype_name(dtype))))
 
 
@@ -58,9 +67,19 @@ def _tensors_over(buffer, layout: str):
 class SharedKvCache:
     """Decode side: owns the shared-memory segment holding every layer's K and V blocks."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ):
         self.layout = layout_string(num_layers, (num_blocks, block_size, num_kv_heads, head_dim), dtype)
-        nbytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        nbytes = (
+            2
+            * num_layers
+            * num_blocks
+            * block_size
+            * num_kv_heads
+            * head_dim
+            * torch.empty((), dtype=dtype).element_size()
+        )
         self.segment = shared_memory.SharedMemory(create=True, size=nbytes)
         _CREATED_HERE.add(self.segment.name)
         self.kv_caches = _tensors_over(self.segment.buf, self.layout)
@@ -86,7 +105,11 @@ class ShmKvSender(KvSender):
         self._mappings: dict[str, tuple[shared_memory.SharedMemory, list]] = {}
 
     def can_share(self, destination: KvDestination, kv_caches) -> bool:
-        return bool(destination.shm_name) and destination.host_id == host_id() and destination.kv_layout == kv_layout(kv_caches)
+        return (
+            bool(destination.shm_name)
+            and destination.host_id == host_id()
+            and destination.kv_layout == kv_layout(kv_caches)
+        )
 
     async def send(self, destination: KvDestination, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
         if not self.can_share(destination, kv_caches):
@@ -97,7 +120,9 @@ class ShmKvSender(KvSender):
         if len(destination.block_ids) != len(block_ids):
             raise TransferError(f"{len(block_ids)} blocks to send, {len(destination.block_ids)} reserved")
         self.copy_pages(destination, kv_caches, block_ids)
-        await self.grpc_sender.commit(destination, KvCommit(commit.request_id, commit.first_token_id, commit.first_logprob, True))
+        await self.grpc_sender.commit(
+            destination, KvCommit(commit.request_id, commit.first_token_id, commit.first_logprob, True)
+        )
 
     def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> KvStream:
         if self.can_share(destination, kv_caches):
@@ -106,7 +131,9 @@ class ShmKvSender(KvSender):
             raise TransferError(f"decode node {destination.address} offers no shared-memory KV cache on this host")
         return self.grpc_sender.open_stream(destination, kv_caches, request_id)
 
-    def copy_pages(self, destination: KvDestination, kv_caches, block_ids: list[int], layers: range | None = None) -> None:
+    def copy_pages(
+        self, destination: KvDestination, kv_caches, block_ids: list[int], layers: range | None = None
+    ) -> None:
         target = self._attach(destination)
         source_all, target_all = stacked_view(kv_caches), stacked_view(target)
         if layers is None and source_all is not None and target_all is not None:

@@ -1,13 +1,13 @@
 """The `pdserve` command line.
 
-    pdserve generate --model M --max-tokens N [sampling flags] [--chat] (PROMPT ... | --prompts-file F)
-    pdserve fetch-model --model M
-    pdserve bench offline [--model M] [--concurrency 1,8,32] ...
-    pdserve bench serve [--base-url URL] [--workload W] [--concurrency 1,8,32 | --request-rate R] ...
-    pdserve bench compare [--model M] [--output FILE]
-    pdserve prefill | decode | colocated --model M --host H --port P --redis-url URL [--node-id ID]
-    pdserve gateway --model M --host H --port P --redis-url URL
-    pdserve up [--model M] [--host H] [--port P] [--prefill N] [--decode M] [--redis-url URL] [--colocated]
+pdserve generate --model M --max-tokens N [sampling flags] [--chat] (PROMPT ... | --prompts-file F)
+pdserve fetch-model --model M
+pdserve bench offline [--model M] [--concurrency 1,8,32] ...
+pdserve bench serve [--base-url URL] [--workload W] [--concurrency 1,8,32 | --request-rate R] ...
+pdserve bench compare [--model M] [--output FILE]
+pdserve prefill | decode | colocated --model M --host H --port P --redis-url URL [--node-id ID]
+pdserve gateway --model M --host H --port P --redis-url URL
+pdserve up [--model M] [--host H] [--port P] [--prefill N] [--decode M] [--redis-url URL] [--colocated]
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ BENCH_KIND_TO_MODULE = {
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m", help="alias (smollm2-135m), Hugging Face folder or .gguf file")
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="alias (smollm2-135m), Hugging Face folder or .gguf file"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--block-size", type=int, default=16)
@@ -44,9 +46,14 @@ def engine_config_from_args(args: argparse.Namespace):
     from pdserve.engine import EngineConfig
 
     return EngineConfig.from_flags(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_gib=args.kv_cache_gib,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=not args.no_prefix_caching,
     )
 
 
@@ -80,8 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         node.add_argument("--node-id", default="")
         node.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
         node.add_argument("--kv-timeout-s", type=float, default=30.0, help="how long a decode node waits for pages")
-        node.add_argument("--kv-transport", choices=["auto", "grpc", "shm"], default="auto",
-                          help="auto: shared memory between nodes on one host, else the gRPC stream")
+        node.add_argument(
+            "--kv-transport",
+            choices=["auto", "grpc", "shm"],
+            default="auto",
+            help="auto: shared memory between nodes on one host, else the gRPC stream",
+        )
 
     gateway = commands.add_parser("gateway", help="run the OpenAI-compatible gateway")
     gateway.add_argument("--model", default="smollm2-135m")
@@ -109,20 +120,34 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
     bench_kinds.add_parser("offline", help="engine throughput against transformers peers", add_help=False)
-    bench_kinds.add_parser("serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput", add_help=False)
+    bench_kinds.add_parser(
+        "serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput", add_help=False
+    )
     bench_kinds.add_parser("compare", help="pdserve clusters and transformers peers side by side", add_help=False)
     bench_kinds.add_parser("transfer", help="KV transfer bandwidth: gRPC, shared memory, memcpy", add_help=False)
-    bench_kinds.add_parser("interference", help="decode ITL under long prompts; TTFT: disaggregated vs colocated", add_help=False)
-    bench_kinds.add_parser("routing", help="prefix_aware vs round_robin routing on shared prefixes: TTFT, hit rate", add_help=False)
+    bench_kinds.add_parser(
+        "interference", help="decode ITL under long prompts; TTFT: disaggregated vs colocated", add_help=False
+    )
+    bench_kinds.add_parser(
+        "routing", help="prefix_aware vs round_robin routing on shared prefixes: TTFT, hit rate", add_help=False
+    )
     return parser
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     # The names of gateway.settings.RoutingPolicy, spelled out: the CLI must not import the gateway to parse.
-    parser.add_argument("--router-policy", choices=["round_robin", "least_load", "prefix_aware"], default="prefix_aware",
-                        help="prefix_aware: where the prompt's prefix is cached, within a load cap")
-    parser.add_argument("--router-load-factor", type=float, default=1.25,
-                        help="prefix_aware's cap: a node above this factor x the mean load (queued prompt tokens beyond one batched step on prefill nodes, requests on decode nodes) gets no new request")
+    parser.add_argument(
+        "--router-policy",
+        choices=["round_robin", "least_load", "prefix_aware"],
+        default="prefix_aware",
+        help="prefix_aware: where the prompt's prefix is cached, within a load cap",
+    )
+    parser.add_argument(
+        "--router-load-factor",
+        type=float,
+        default=1.25,
+        help="prefix_aware's cap: a node above this factor x the mean load (queued prompt tokens beyond one batched step on prefill nodes, requests on decode nodes) gets no new request",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -149,8 +174,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gateway.settings import GatewaySettings
 
         settings = GatewaySettings(
-            model=args.model, host=args.host, port=args.port, redis_url=args.redis_url,
-            router_policy=args.router_policy, router_load_factor=args.router_load_factor,
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            redis_url=args.redis_url,
+            router_policy=args.router_policy,
+            router_load_factor=args.router_load_factor,
         )
         asyncio.run(serve_cluster_gateway(settings))
         return 0
@@ -158,13 +187,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pdserve.launcher import LaunchPlan, run_up
 
         node_args = (
-            "--kv-cache-gib", str(args.kv_cache_gib), "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-transport", args.kv_transport,
+            "--kv-cache-gib",
+            str(args.kv_cache_gib),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+            "--kv-transport",
+            args.kv_transport,
         )
         plan = LaunchPlan(
-            model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
-            num_decode=args.decode, redis_url=args.redis_url, colocated=args.colocated, node_args=node_args,
-            log_dir=args.log_dir, ready_timeout_s=args.ready_timeout_s,
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            num_prefill=args.prefill,
+            num_decode=args.decode,
+            redis_url=args.redis_url,
+            colocated=args.colocated,
+            node_args=node_args,
+            log_dir=args.log_dir,
+            ready_timeout_s=args.ready_timeout_s,
             gateway_args=("--router-policy", args.router_policy, "--router-load-factor", str(args.router_load_factor)),
         )
         return run_up(plan)
@@ -181,11 +223,21 @@ def run_node(args: argparse.Namespace) -> int:
     from pdserve.node import NodeSettings
 
     settings = NodeSettings(
-        model=args.model, host=args.host, port=args.port, advertise_host=args.advertise_host,
-        redis_url=args.redis_url, node_id=args.node_id, num_threads=args.num_threads, dtype=args.dtype,
-        device=args.device, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=not args.no_prefix_caching, kv_timeout_s=args.kv_timeout_s,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        redis_url=args.redis_url,
+        node_id=args.node_id,
+        num_threads=args.num_threads,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_gib=args.kv_cache_gib,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=not args.no_prefix_caching,
+        kv_timeout_s=args.kv_timeout_s,
         kv_transport=args.kv_transport,
     )
     if args.command == "prefill":
@@ -238,7 +290,9 @@ def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(prompt)["input_ids"]
 

@@ -174,7 +174,9 @@ class Launcher:
             name = f"{role}-{index}"
             args = plan.node_args + (plan.prefill_args if role == "prefill" else ())
             specs.append(ChildSpec(name, role, plan.model, NODE_HOST, port, self.redis_url, num_threads, args))
-        gateway = ChildSpec("gateway", "gateway", plan.model, plan.host, plan.port, self.redis_url, None, plan.gateway_args)
+        gateway = ChildSpec(
+            "gateway", "gateway", plan.model, plan.host, plan.port, self.redis_url, None, plan.gateway_args
+        )
         return specs + [gateway]
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
@@ -194,7 +196,12 @@ class Launcher:
         while not self._stop_requested.wait(POLL_S):
             for child in self._newly_exited():
                 self._failed = True
-                logger.error("%s exited with code %s; last lines:\n%s", child.spec.name, child.process.returncode, child.log_tail())
+                logger.error(
+                    "%s exited with code %s; last lines:\n%s",
+                    child.spec.name,
+                    child.process.returncode,
+                    child.log_tail(),
+                )
                 if not child.spec.is_node:
                     return 1
         return 0
@@ -211,7 +218,12 @@ class Launcher:
             try:
                 child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.warning("%s (pid %d) ignored SIGTERM for %.0f s; killing it", child.spec.name, child.process.pid, self.stop_grace_s)
+                logger.warning(
+                    "%s (pid %d) ignored SIGTERM for %.0f s; killing it",
+                    child.spec.name,
+                    child.process.pid,
+                    self.stop_grace_s,
+                )
                 child.process.kill()
                 child.process.wait()
         if self._redis is not None:
@@ -227,8 +239,13 @@ class Launcher:
         with open(log_path, "ab") as log:
             # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
             process = subprocess.Popen(
-                self.command_for(spec), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, preexec_fn=die_with_parent,
+                self.command_for(spec),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         self.children.append(Child(spec, process, log_path))
         logger.info("started %s (pid %d) on %s:%d", spec.name, process.pid, spec.host, spec.port)
@@ -245,7 +262,9 @@ class Launcher:
                 if not missing:
                     return
                 if time.monotonic() > deadline:
-                    raise LaunchError(f"not ready after {timeout_s:.0f} s, still waiting for {', '.join(missing)}; logs in {self.log_dir}")
+                    raise LaunchError(
+                        f"not ready after {timeout_s:.0f} s, still waiting for {', '.join(missing)}; logs in {self.log_dir}"
+                    )
                 await asyncio.sleep(POLL_S)
         finally:
             await view.stop()
@@ -254,7 +273,11 @@ class Launcher:
         """What is not up yet: node_ids not registered at their port, and the gateway's health."""
         await view.refresh()
         node_id_to_port = {info.node_id: info.address.rsplit(":", 1)[-1] for info in view.nodes()}
-        missing = [c.spec.name for c in self.children if c.spec.is_node and node_id_to_port.get(c.spec.name) != str(c.spec.port)]
+        missing = [
+            c.spec.name
+            for c in self.children
+            if c.spec.is_node and node_id_to_port.get(c.spec.name) != str(c.spec.port)
+        ]
         if not await asyncio.to_thread(http_ok, self.health_url):
             missing.append("gateway /health")
         return missing
@@ -298,7 +321,9 @@ def ensure_port_free(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as error:
-            raise LaunchError(f"cannot use {host}:{port} for the gateway ({error}); free it or pick another --port") from error
+            raise LaunchError(
+                f"cannot use {host}:{port} for the gateway ({error}); free it or pick another --port"
+            ) from error
 
 
 def distinct_free_ports(count: int) -> list[int]:

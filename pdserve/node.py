@@ -25,12 +25,12 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvtransfer.grpc_transport import GRPC_OPTIONS
 from pdserve.cluster_state.kv_index import KvIndexPublisher
 from pdserve.cluster_state.registry import NodeCapacity, NodeInfo, NodeLoad, NodeRegistration, NodeStats
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from kvtransfer.grpc_transport import GRPC_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +61,14 @@ class NodeSettings(BaseSettings):
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig.from_flags(
-            model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
-            kv_cache_gib=self.kv_cache_gib, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs, enable_prefix_caching=self.enable_prefix_caching,
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.block_size,
+            kv_cache_gib=self.kv_cache_gib,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
 
@@ -110,12 +115,18 @@ async def _serve(role, settings, add_servicers, async_engine, stop_requested, si
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     registration = NodeRegistration(
-        settings.redis_url, _node_info(role, settings, engine, port), lambda: NodeLoad(**async_engine.load),
-        interval_s=settings.heartbeat_s, ttl_s=settings.ttl_s, stats_fn=lambda: _node_stats(engine, resources),
+        settings.redis_url,
+        _node_info(role, settings, engine, port),
+        lambda: NodeLoad(**async_engine.load),
+        interval_s=settings.heartbeat_s,
+        ttl_s=settings.ttl_s,
+        stats_fn=lambda: _node_stats(engine, resources),
     )
     await registration.start()
     kv_index = KvIndexPublisher(
-        settings.redis_url, registration.node_info, lambda full: async_engine.call(lambda engine: engine.kv_cache_changes(full)),
+        settings.redis_url,
+        registration.node_info,
+        lambda full: async_engine.call(lambda engine: engine.kv_cache_changes(full)),
         ttl_s=settings.ttl_s,
     )
     await kv_index.start()
@@ -151,5 +162,3 @@ def _node_info(role: str, settings: NodeSettings, engine: LLMEngine, port: int) 
             max_num_batched_tokens=settings.max_num_batched_tokens,
         ),
     )
-
-

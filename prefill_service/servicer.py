@@ -21,16 +21,18 @@ import logging
 
 import grpc
 
+from kvtransfer.base import KvCommit, KvDestination, KvSender, KvStream, TransferError
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.sampling_params import SamplingParams
-from kvtransfer.base import KvCommit, KvDestination, KvSender, KvStream, TransferError
 from protos import prefill_pb2, prefill_pb2_grpc
 from protos.convert import logprob_to_proto, sampling_params_from_proto
 
 logger = logging.getLogger(__name__)
 
 
-def finish_reason_after_first_token(params: SamplingParams, eos_token_ids: tuple[int, ...], token_id: int) -> str | None:
+def finish_reason_after_first_token(
+    params: SamplingParams, eos_token_ids: tuple[int, ...], token_id: int
+) -> str | None:
     if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
         return "stop"
     if params.max_tokens <= 1:
@@ -92,7 +94,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             self.pushes.pop(rid).stream.cancel()
             self.async_engine.submit(lambda engine: engine.release_kv(rid))
         response = prefill_pb2.PrefillResponse(
-            first_token_id=token_id, finished=reason is not None, finish_reason=reason or "", num_cached_tokens=output.num_cached_tokens
+            first_token_id=token_id,
+            finished=reason is not None,
+            finish_reason=reason or "",
+            num_cached_tokens=output.num_cached_tokens,
         )
         if logprob is not None:
             response.first_logprob.CopyFrom(logprob_to_proto(logprob))

@@ -39,7 +39,9 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
 
 
 def logprob_to_proto(logprob: TokenLogprob) -> common_pb2.TokenLogprob:
-    return common_pb2.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob, top_logprobs=logprob.top_logprobs)
+    return common_pb2.TokenLogprob(
+        token_id=logprob.token_id, logprob=logprob.logprob, top_logprobs=logprob.top_logprobs
+    )
 
 
 def logprob_from_proto(message: common_pb2.TokenLogprob) -> TokenLogprob:

@@ -17,7 +17,15 @@ REPO_ROOT = PROTO_DIR.parent
 def generate(out_dir: Path = REPO_ROOT) -> None:
     protos = sorted(str(p.relative_to(REPO_ROOT)) for p in PROTO_DIR.glob("*.proto"))
     include = str(Path(protoc.__file__).parent / "_proto")
-    args = ["protoc", f"-I{REPO_ROOT}", f"-I{include}", f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *protos]
+    args = [
+        "protoc",
+        f"-I{REPO_ROOT}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
 

@@ -70,7 +70,9 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[lis
     return tokens, [step[0] for step in out.logits]
 
 
-def assert_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], max_margin: float = 1e-3):
+def assert_greedy_equal(
+    ours: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], max_margin: float = 1e-3
+):
     """Token for token, or a difference only where the reference's top-2 logit margin is tiny."""
     for step, (a, b) in enumerate(zip(ours, ref_tokens)):
         if a != b:

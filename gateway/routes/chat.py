@@ -29,16 +29,25 @@ from gateway.usage import UsageCounter
 router = APIRouter(tags=["chat"])
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=streamed_responses(ChatCompletionChunk))
+@router.post(
+    "/v1/chat/completions", response_model=ChatCompletionResponse, responses=streamed_responses(ChatCompletionChunk)
+)
 async def create_chat_completion(
-    body: ChatCompletionRequest, request: Request, response: Response, backend: BackendDep, served_model: ServedModelDep, request_id: RequestIdDep
+    body: ChatCompletionRequest,
+    request: Request,
+    response: Response,
+    backend: BackendDep,
+    served_model: ServedModelDep,
+    request_id: RequestIdDep,
 ):
     check_model(served_model, body.model)
     tokenizer = served_model.tokenizer
     prompt_token_ids = tokenize_messages(tokenizer, body)
     response_id = f"chatcmpl-{request_id}"
     specs = choice_specs(
-        body, response_id, [prompt_token_ids],
+        body,
+        response_id,
+        [prompt_token_ids],
         requested_max_tokens=body.max_completion_tokens or body.max_tokens,
         default_max_tokens=None,  # chat: up to the end of the context, as OpenAI does
         max_model_len=served_model.max_model_len,
@@ -76,8 +85,13 @@ def tokenize_messages(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list
 
 
 async def _chat_events(
-    stream: ChoiceStream, header: dict, tokenizer: Tokenizer, usage: UsageCounter, num_choices: int,
-    include_usage: bool, want_logprobs: bool,
+    stream: ChoiceStream,
+    header: dict,
+    tokenizer: Tokenizer,
+    usage: UsageCounter,
+    num_choices: int,
+    include_usage: bool,
+    want_logprobs: bool,
 ) -> AsyncIterator[bytes]:
     """A role chunk per choice, content chunks, a chunk with each choice's finish reason, the usage."""
     for index in range(num_choices):

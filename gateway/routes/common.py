@@ -10,13 +10,13 @@ from typing import Any
 
 from fastapi import Request
 
-from pdserve.engine.request import TokenLogprob
 from gateway.errors import RequestError
 from gateway.generation import ChoiceStream
 from gateway.protocol import ErrorResponse
 from gateway.responses import SSE_DONE, run_unless_disconnected, sse_error
 from gateway.served_model import ServedModel
 from gateway.usage import UsageCounter
+from pdserve.engine.request import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,9 @@ class ChoiceResult:
     finish_reason: str | None = None
 
 
-async def collect_choices(request: Request, stream: ChoiceStream, num_choices: int, usage: UsageCounter) -> list[ChoiceResult]:
+async def collect_choices(
+    request: Request, stream: ChoiceStream, num_choices: int, usage: UsageCounter
+) -> list[ChoiceResult]:
     """Waits for every choice to finish (cancelled if the client leaves), then closes the stream."""
     try:
         return await run_unless_disconnected(request, _collect(stream, num_choices, usage))

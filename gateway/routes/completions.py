@@ -26,14 +26,21 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=streamed_responses(CompletionChunk))
 async def create_completion(
-    body: CompletionRequest, request: Request, response: Response, backend: BackendDep, served_model: ServedModelDep, request_id: RequestIdDep
+    body: CompletionRequest,
+    request: Request,
+    response: Response,
+    backend: BackendDep,
+    served_model: ServedModelDep,
+    request_id: RequestIdDep,
 ):
     check_model(served_model, body.model)
     tokenizer = served_model.tokenizer
     prompts = tokenize_prompts(tokenizer, body.prompt)
     response_id = f"cmpl-{request_id}"
     specs = choice_specs(
-        body, response_id, prompts,
+        body,
+        response_id,
+        prompts,
         requested_max_tokens=body.max_tokens,
         default_max_tokens=DEFAULT_MAX_TOKENS,
         max_model_len=served_model.max_model_len,
@@ -77,7 +84,12 @@ def tokenize_prompts(tokenizer: Tokenizer, prompt: str | list[str] | list[int] |
 
 
 async def _completion_events(
-    stream: ChoiceStream, header: dict, tokenizer: Tokenizer, usage: UsageCounter, include_usage: bool, want_logprobs: bool
+    stream: ChoiceStream,
+    header: dict,
+    tokenizer: Tokenizer,
+    usage: UsageCounter,
+    include_usage: bool,
+    want_logprobs: bool,
 ) -> AsyncIterator[bytes]:
     """Text chunks per choice, then a chunk with the choice's finish reason, then the usage."""
     text_offsets: dict[int, int] = defaultdict(int)

@@ -7,9 +7,9 @@ import time
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from gateway.backend import BackendError, BackendErrorKind
 from gateway.dependencies import BackendDep, ServedModelDep
 from gateway.errors import to_openai_error
-from gateway.backend import BackendError, BackendErrorKind
 from gateway.protocol import ErrorResponse, ModelCard, ModelList
 
 router = APIRouter(tags=["models"])

@@ -65,8 +65,11 @@ class StreamingClient:
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         # No connection cap (the load generator bounds concurrency) and no proxies from the environment.
         self._http = httpx.AsyncClient(
-            base_url=config.root_url, headers=headers, timeout=httpx.Timeout(config.timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None), trust_env=False,
+            base_url=config.root_url,
+            headers=headers,
+            timeout=httpx.Timeout(config.timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            trust_env=False,
             transport=transport,
         )
 
@@ -88,8 +91,11 @@ class StreamingClient:
 
     def payload(self, messages: Sequence[Message], max_tokens: int) -> dict:
         body = {
-            "model": self.model, "max_tokens": max_tokens, "temperature": self.config.temperature,
-            "stream": True, "stream_options": {"include_usage": True},
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "temperature": self.config.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
         if self.config.ignore_eos:
             body["ignore_eos"] = True  # vLLM's extension, which pdserve and SGLang accept too
@@ -117,8 +123,9 @@ class StreamingClient:
             error = "stream ended without data: [DONE]"
         if error is None and not stream.content_times_s:
             error = "no content streamed"
-        record = RequestRecord(start_s, end_s, tuple(stream.content_times_s), stream.num_output_tokens,
-                               stream.num_prompt_tokens, error)
+        record = RequestRecord(
+            start_s, end_s, tuple(stream.content_times_s), stream.num_output_tokens, stream.num_prompt_tokens, error
+        )
         return record, stream.text
 
     async def _receive(self, payload: dict, stream: _Stream) -> str | None:
@@ -126,12 +133,14 @@ class StreamingClient:
         path = ENDPOINT_TO_PATH[self.config.endpoint]
         async with self._http.stream("POST", path, json=payload) as response:
             if response.status_code != 200:
-                return f"HTTP {response.status_code}: {_error_message((await response.aread()).decode(errors='replace'))}"
+                return (
+                    f"HTTP {response.status_code}: {_error_message((await response.aread()).decode(errors='replace'))}"
+                )
             async for line in response.aiter_lines():
                 now_s = time.perf_counter()
                 if not line.startswith("data:"):
                     continue  # blank separators, comments, event names
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     stream.done = True
                     return None

@@ -66,9 +66,15 @@ class CompareRow:
 def row_from_level(system: str, result: LevelResult) -> CompareRow:
     m = result.metrics
     return CompareRow(
-        system, result.load.concurrency, m.output_throughput, m.num_requests, m.num_failed,
-        ttft_p50=_stat(m.ttft, "p50"), ttft_p99=_stat(m.ttft, "p99"),
-        tpot_p50=_stat(m.tpot, "p50"), itl_p99=_stat(m.itl, "p99"),
+        system,
+        result.load.concurrency,
+        m.output_throughput,
+        m.num_requests,
+        m.num_failed,
+        ttft_p50=_stat(m.ttft, "p50"),
+        ttft_p99=_stat(m.ttft, "p99"),
+        tpot_p50=_stat(m.tpot, "p50"),
+        itl_p99=_stat(m.itl, "p99"),
     )
 
 
@@ -87,14 +93,27 @@ def ratio_to(rows: Sequence[CompareRow], row: CompareRow, peer: str) -> float | 
 
 
 def format_markdown(rows: Sequence[CompareRow]) -> str:
-    header = ["system", "concurrency", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)",
-              "ITL p99 (ms)", "vs naive", "vs generate_batch"]
+    header = [
+        "system",
+        "concurrency",
+        "output tok/s",
+        "TTFT p50 (ms)",
+        "TTFT p99 (ms)",
+        "TPOT p50 (ms)",
+        "ITL p99 (ms)",
+        "vs naive",
+        "vs generate_batch",
+    ]
     order = {system: index for index, system in enumerate(SYSTEMS)}
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in sorted(rows, key=lambda r: (r.concurrency, order.get(r.system, len(order)))):
-        cells = [row.system, str(row.concurrency), f"{row.output_throughput:.1f}",
-                 *(_ms(value) for value in (row.ttft_p50, row.ttft_p99, row.tpot_p50, row.itl_p99)),
-                 *(_ratio(ratio_to(rows, row, peer)) for peer in PEERS)]
+        cells = [
+            row.system,
+            str(row.concurrency),
+            f"{row.output_throughput:.1f}",
+            *(_ms(value) for value in (row.ttft_p50, row.ttft_p99, row.tpot_p50, row.itl_p99)),
+            *(_ratio(ratio_to(rows, row, peer)) for peer in PEERS),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -127,8 +146,9 @@ def run_cluster(system: str, args: argparse.Namespace, tokenizer) -> list[LevelR
         launcher.start()
         launcher.wait_ready()
         logger.info("%s ready in %.0f s", system, time.perf_counter() - started_s)
-        client_config = ClientConfig(base_url=f"http://127.0.0.1:{plan.port}", endpoint="completions",
-                                     timeout_s=args.timeout_s)
+        client_config = ClientConfig(
+            base_url=f"http://127.0.0.1:{plan.port}", endpoint="completions", timeout_s=args.timeout_s
+        )
 
         def source(tag: str) -> Iterator[Conversation]:
             return iter(conversations_for(tokenizer, tag, tag_to_num_requests[tag], args.input_len, args.output_len))
@@ -167,20 +187,25 @@ def run_compare(args: argparse.Namespace) -> tuple[list[CompareRow], list[str], 
     offline_systems = [s for s in OFFLINE_SYSTEMS if s in args.systems]
     if offline_systems:
         system_to_runner, _ = offline.build_runners(args.model, offline_systems)
-        measurements = offline.measure(system_to_runner, tokenizer, args.concurrency, args.input_len,
-                                       args.output_len, args.naive_max_requests)
+        measurements = offline.measure(
+            system_to_runner, tokenizer, args.concurrency, args.input_len, args.output_len, args.naive_max_requests
+        )
         rows += [row_from_measurement(m) for m in measurements]
         if any(m.system == "naive" and m.num_requests < m.concurrency for m in measurements):
-            notes.append(f"naive: timed on min(N, {args.naive_max_requests}) requests run one after another; "
-                         "sequential throughput does not depend on N, so it stands for N")
+            notes.append(
+                f"naive: timed on min(N, {args.naive_max_requests}) requests run one after another; "
+                "sequential throughput does not depend on N, so it stands for N"
+            )
         raw["offline"] = [asdict(m) | {"tokens_per_s": m.tokens_per_s} for m in measurements]
     return rows, notes, raw
 
 
 def describe_run(args: argparse.Namespace, seconds: float) -> str:
     machine = f"{os.cpu_count()} CPUs, {platform.platform()}"
-    return (f"pdserve bench compare: {args.model}, prompts of {args.input_len} tokens, {args.output_len} output "
-            f"tokens (greedy, EOS ignored); {date.today().isoformat()}, {machine}; took {seconds:.0f} s")
+    return (
+        f"pdserve bench compare: {args.model}, prompts of {args.input_len} tokens, {args.output_len} output "
+        f"tokens (greedy, EOS ignored); {date.today().isoformat()}, {machine}; took {seconds:.0f} s"
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -190,10 +215,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=200, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
     parser.add_argument("--systems", type=offline.name_list(SYSTEMS), default=list(SYSTEMS), help=",".join(SYSTEMS))
-    parser.add_argument("--min-requests", type=int, default=4,
-                        help="clusters: at least this many requests per level, so that percentiles have samples")
-    parser.add_argument("--naive-max-requests", type=int, default=4,
-                        help="naive is timed on at most this many requests per concurrency")
+    parser.add_argument(
+        "--min-requests",
+        type=int,
+        default=4,
+        help="clusters: at least this many requests per level, so that percentiles have samples",
+    )
+    parser.add_argument(
+        "--naive-max-requests", type=int, default=4, help="naive is timed on at most this many requests per concurrency"
+    )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     parser.add_argument("--output", type=Path, help="also write the markdown here")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
@@ -205,17 +235,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     started_s = time.perf_counter()
     rows, notes, raw = run_compare(args)
-    markdown = "\n\n".join(filter(None, [
-        describe_run(args, time.perf_counter() - started_s),
-        format_markdown(rows),
-        "\n".join(f"- {note}" for note in notes),
-    ])) + "\n"
+    markdown = (
+        "\n\n".join(
+            filter(
+                None,
+                [
+                    describe_run(args, time.perf_counter() - started_s),
+                    format_markdown(rows),
+                    "\n".join(f"- {note}" for note in notes),
+                ],
+            )
+        )
+        + "\n"
+    )
     print(markdown, end="")
     if args.output:
         args.output.write_text(markdown)
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args), "rows": [asdict(r) for r in rows], "raw": raw},
-                                        indent=2, default=str))
+        args.json.write_text(
+            json.dumps({"args": vars(args), "rows": [asdict(r) for r in rows], "raw": raw}, indent=2, default=str)
+        )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import httpx
 
 from pdserve.cluster_state.embedded_redis import free_port
-from pdserve.launcher import LaunchPlan, Launcher
+from pdserve.launcher import Launcher, LaunchPlan
 
 NUM_STREAMS = 16
 
@@ -38,7 +38,14 @@ def token_prompt(length: int, seed: int) -> list[int]:
 
 async def stream_times(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> list[float]:
     """Arrival time of every token-bearing SSE chunk (first = TTFT), relative to the request start."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     start = time.perf_counter()
     times = []
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -67,7 +74,10 @@ async def measure_ttft(base_url: str, model: str) -> dict[str, float]:
 async def measure_interference(base_url: str, model: str, stream_tokens: int, long_every_s: float) -> dict[str, float]:
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
         await stream_times(client, model, token_prompt(64, 0), 4)  # warm-up
-        streams = [asyncio.create_task(stream_times(client, model, token_prompt(48, 100 + i), stream_tokens)) for i in range(NUM_STREAMS)]
+        streams = [
+            asyncio.create_task(stream_times(client, model, token_prompt(48, 100 + i), stream_tokens))
+            for i in range(NUM_STREAMS)
+        ]
         long_ttfts = []
         seed = 1000
         while not all(s.done() for s in streams):
@@ -87,7 +97,9 @@ async def measure_interference(base_url: str, model: str, stream_tokens: int, lo
 
 def on_cluster(model: str, colocated: bool, node_args: tuple[str, ...], measure) -> dict[str, float]:
     """Starts a cluster, runs `measure(base_url, served_model)` against it, stops it."""
-    plan = LaunchPlan(model=model, port=free_port(), colocated=colocated, node_args=("--kv-cache-gib", "0.5", *node_args))
+    plan = LaunchPlan(
+        model=model, port=free_port(), colocated=colocated, node_args=("--kv-cache-gib", "0.5", *node_args)
+    )
     launcher = Launcher(plan)
     launcher.start()
     try:
@@ -102,7 +114,9 @@ def on_cluster(model: str, colocated: bool, node_args: tuple[str, ...], measure)
 def run_topology(model: str, colocated: bool, stream_tokens: int, long_every_s: float) -> dict[str, float]:
     all_cores = ("--num-threads", str(os.cpu_count() or 1))  # last flag wins over the launcher's split
     result = on_cluster(model, colocated, all_cores, measure_ttft)
-    result.update(on_cluster(model, colocated, (), lambda url, m: measure_interference(url, m, stream_tokens, long_every_s)))
+    result.update(
+        on_cluster(model, colocated, (), lambda url, m: measure_interference(url, m, stream_tokens, long_every_s))
+    )
     return result
 
 
@@ -117,7 +131,9 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
     lines = ["| metric | disaggregated | colocated | disaggregated / colocated |", "|---|---|---|---|"]
     for label, key in rows:
         lines.append(f"| {label} | {disagg[key]:.0f} | {coloc[key]:.0f} | {disagg[key] / coloc[key]:.2f}x |")
-    lines.append(f"| long prompts sent during the streams | {disagg['num_long_prompts']} | {coloc['num_long_prompts']} | |")
+    lines.append(
+        f"| long prompts sent during the streams | {disagg['num_long_prompts']} | {coloc['num_long_prompts']} | |"
+    )
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ requests are counted but take no part in any latency, token count or throughput.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,7 +67,7 @@ class RequestRecord:
     @property
     def itls_s(self) -> list[float]:
         times = self.content_times_s
-        return [later - earlier for earlier, later in zip(times, times[1:])]
+        return [later - earlier for earlier, later in itertools.pairwise(times)]
 
 
 @dataclass(frozen=True)

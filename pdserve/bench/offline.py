@@ -32,8 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation import ContinuousBatchingConfig
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
@@ -47,16 +46,54 @@ NUM_WARMUP_TOKENS = 8
 
 Runner = Callable[[list[list[int]], int], list[list[int]]]
 
-_SUBJECTS = ("the old fisherman", "a young engineer", "our neighbour", "the committee", "my sister",
-             "a quiet student", "the river guide", "the baker", "every traveller", "the orchestra")
-_VERBS = ("repaired", "painted", "described", "carried", "measured", "forgot", "ordered",
-          "discovered", "borrowed", "explained")
-_OBJECTS = ("a wooden boat", "the broken clock", "three maps of the coast", "an unusual recipe",
-            "the winter garden", "a box of letters", "the mountain road", "a new telescope",
-            "the village library", "two silver keys")
-_TAILS = ("before sunrise.", "during the storm.", "with great care.", "for the first time.",
-          "after the long meeting.", "near the harbour.", "without saying a word.",
-          "in the spring of that year.", "while the others slept.", "as the bells rang.")
+_SUBJECTS = (
+    "the old fisherman",
+    "a young engineer",
+    "our neighbour",
+    "the committee",
+    "my sister",
+    "a quiet student",
+    "the river guide",
+    "the baker",
+    "every traveller",
+    "the orchestra",
+)
+_VERBS = (
+    "repaired",
+    "painted",
+    "described",
+    "carried",
+    "measured",
+    "forgot",
+    "ordered",
+    "discovered",
+    "borrowed",
+    "explained",
+)
+_OBJECTS = (
+    "a wooden boat",
+    "the broken clock",
+    "three maps of the coast",
+    "an unusual recipe",
+    "the winter garden",
+    "a box of letters",
+    "the mountain road",
+    "a new telescope",
+    "the village library",
+    "two silver keys",
+)
+_TAILS = (
+    "before sunrise.",
+    "during the storm.",
+    "with great care.",
+    "for the first time.",
+    "after the long meeting.",
+    "near the harbour.",
+    "without saying a word.",
+    "in the spring of that year.",
+    "while the others slept.",
+    "as the bells rang.",
+)
 
 
 @dataclass(frozen=True)
@@ -117,7 +154,7 @@ def _generate_one(model: PreTrainedModel, prompt: list[int], output_len: int) ->
         min_new_tokens=output_len,
         pad_token_id=0,
     )
-    return output_ids[0, len(prompt):].tolist()
+    return output_ids[0, len(prompt) :].tolist()
 
 
 def run_generate_batch(model: PreTrainedModel, prompts: list[list[int]], output_len: int) -> list[list[int]]:
@@ -141,8 +178,11 @@ def generate_batch_config(num_requests: int, max_seq_len: int, page_size: int = 
     """
     num_blocks = num_requests * math.ceil(max_seq_len / page_size) + 1
     return ContinuousBatchingConfig(
-        page_size=page_size, num_blocks=num_blocks, max_batch_tokens=2048,
-        auto_switch_to_flash=False, use_cuda_graph=False,
+        page_size=page_size,
+        num_blocks=num_blocks,
+        max_batch_tokens=2048,
+        auto_switch_to_flash=False,
+        use_cuda_graph=False,
     )
 
 
@@ -237,8 +277,12 @@ def to_json(measurements: Sequence[Measurement], args: argparse.Namespace) -> di
     concurrencies = sorted({m.concurrency for m in measurements})
     return {
         "args": {k: v for k, v in vars(args).items() if k != "json"},
-        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "platform": platform.platform(), "torch": torch.__version__},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+        },
         "measurements": [asdict(m) | {"tokens_per_s": m.tokens_per_s} for m in measurements],
         "ratios": {
             f"pdserve/{peer}": {str(c): ratio(measurements, "pdserve", peer, c) for c in concurrencies}
@@ -271,8 +315,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=200, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
     parser.add_argument("--systems", type=name_list(SYSTEMS), default=list(SYSTEMS), help=",".join(SYSTEMS))
-    parser.add_argument("--naive-max-requests", type=int, default=4,
-                        help="naive is timed on at most this many requests per concurrency")
+    parser.add_argument(
+        "--naive-max-requests", type=int, default=4, help="naive is timed on at most this many requests per concurrency"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     return parser.parse_args(argv)
 
@@ -304,8 +349,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     measurements = measure(
         system_to_runner, tokenizer, args.concurrency, args.input_len, args.output_len, args.naive_max_requests
     )
-    print(f"offline throughput, output tokens/s: {args.model}, input {args.input_len} tokens, "
-          f"output {args.output_len} tokens, greedy, EOS ignored")
+    print(
+        f"offline throughput, output tokens/s: {args.model}, input {args.input_len} tokens, "
+        f"output {args.output_len} tokens, greedy, EOS ignored"
+    )
     print(format_table(measurements, args.naive_max_requests))
     if args.json:
         args.json.write_text(json.dumps(to_json(measurements, args), indent=2))

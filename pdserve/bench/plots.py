@@ -24,8 +24,12 @@ METRIC_TO_VALUES_S = {
     "itl": lambda r: r.itls_s,
     "e2e": lambda r: [r.e2e_s],
 }
-METRIC_TO_TITLE = {"ttft": "time to first token", "tpot": "time per output token",
-                   "itl": "inter-token latency", "e2e": "end-to-end latency"}
+METRIC_TO_TITLE = {
+    "ttft": "time to first token",
+    "tpot": "time per output token",
+    "itl": "inter-token latency",
+    "e2e": "end-to-end latency",
+}
 
 
 def write_plots(results: Sequence[LevelResult], out_dir: Path) -> list[Path]:
@@ -62,8 +66,12 @@ def _plot_cdf(results: Sequence[LevelResult], metric: str, out_dir: Path) -> Pat
         if len(values_ms):
             fractions = np.arange(1, len(values_ms) + 1) / len(values_ms)
             axes.step(values_ms, fractions, where="post", label=result.load.label)
-    axes.set(xlabel=f"{metric.upper()} (ms)", ylabel="fraction of requests" if metric != "itl" else "fraction of gaps",
-             title=f"{METRIC_TO_TITLE[metric]} (CDF)", ylim=(0, 1.02))
+    axes.set(
+        xlabel=f"{metric.upper()} (ms)",
+        ylabel="fraction of requests" if metric != "itl" else "fraction of gaps",
+        title=f"{METRIC_TO_TITLE[metric]} (CDF)",
+        ylim=(0, 1.02),
+    )
     axes.grid(alpha=0.3)
     if axes.get_legend_handles_labels()[0]:
         axes.legend()
@@ -83,8 +91,12 @@ def _plot_sweep(results: Sequence[LevelResult], out_dir: Path) -> list[Path]:
     paths = [_save(figure, out_dir / "sweep_throughput.png")]
     figure, axes = _sweep_axes(xs, by_rate)
     for stat in ("p50", "p99"):
-        axes.plot(xs, [getattr(r.metrics.ttft, stat) if r.metrics.ttft else np.nan for r in results],
-                  marker="o", label=f"TTFT {stat}")
+        axes.plot(
+            xs,
+            [getattr(r.metrics.ttft, stat) if r.metrics.ttft else np.nan for r in results],
+            marker="o",
+            label=f"TTFT {stat}",
+        )
     axes.set_ylim(bottom=0)
     axes.set(xlabel=xlabel, ylabel="TTFT (ms)", title=f"time to first token vs {xlabel.split(' (')[0]}")
     axes.grid(alpha=0.3)

@@ -53,23 +53,49 @@ def format_level(model: str, workload: str, result: LevelResult) -> str:
 
 
 def format_sweep(results: Sequence[LevelResult]) -> str:
-    header = ["load", "ok", "failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
-              "ITL p99", "E2E p50", "goodput"]
+    header = [
+        "load",
+        "ok",
+        "failed",
+        "req/s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "ITL p99",
+        "E2E p50",
+        "goodput",
+    ]
     rows = [header]
     for result in results:
         m = result.metrics
-        rows.append([
-            result.load.label, str(m.num_succeeded), str(m.num_failed), f"{m.request_throughput:.2f}",
-            f"{m.output_throughput:.1f}", _ms(m.ttft, "p50"), _ms(m.ttft, "p99"), _ms(m.tpot, "p50"),
-            _ms(m.itl, "p99"), _ms(m.e2e, "p50"), "-" if m.goodput is None else f"{m.goodput:.2f}",
-        ])
+        rows.append(
+            [
+                result.load.label,
+                str(m.num_succeeded),
+                str(m.num_failed),
+                f"{m.request_throughput:.2f}",
+                f"{m.output_throughput:.1f}",
+                _ms(m.ttft, "p50"),
+                _ms(m.ttft, "p99"),
+                _ms(m.tpot, "p50"),
+                _ms(m.itl, "p99"),
+                _ms(m.e2e, "p50"),
+                "-" if m.goodput is None else f"{m.goodput:.2f}",
+            ]
+        )
     return "\n".join(["sweep (latencies in ms)", *align(rows, first_left=True)])
 
 
 def align(rows: Sequence[Sequence[str]], first_left: bool = False) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(width) if first_left and i == 0 else cell.rjust(width)
-                      for i, (cell, width) in enumerate(zip(row, widths))) for row in rows]
+    return [
+        "  ".join(
+            cell.ljust(width) if first_left and i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths))
+        )
+        for row in rows
+    ]
 
 
 def _distribution_cells(distribution: Distribution | None) -> list[str]:
@@ -86,7 +112,11 @@ def to_json(model: str, args: dict[str, Any], results: Sequence[LevelResult]) ->
         "args": args,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "levels": [
-            {"load": asdict(r.load), "metrics": metrics_to_json(r.metrics), "requests": [request_to_json(x) for x in r.records]}
+            {
+                "load": asdict(r.load),
+                "metrics": metrics_to_json(r.metrics),
+                "requests": [request_to_json(x) for x in r.records],
+            }
             for r in results
         ],
     }
@@ -101,9 +131,12 @@ def request_to_json(record: RequestRecord) -> dict:
         return {"error": record.error, "e2e_ms": record.e2e_s * 1000}
     tpot_s = record.tpot_s
     return {
-        "ttft_ms": record.ttft_s * 1000, "tpot_ms": None if tpot_s is None else tpot_s * 1000,
-        "e2e_ms": record.e2e_s * 1000, "itls_ms": [itl * 1000 for itl in record.itls_s],
-        "output_tokens": record.output_tokens, "prompt_tokens": record.num_prompt_tokens,
+        "ttft_ms": record.ttft_s * 1000,
+        "tpot_ms": None if tpot_s is None else tpot_s * 1000,
+        "e2e_ms": record.e2e_s * 1000,
+        "itls_ms": [itl * 1000 for itl in record.itls_s],
+        "output_tokens": record.output_tokens,
+        "prompt_tokens": record.num_prompt_tokens,
     }
 
 

@@ -60,8 +60,11 @@ class GatewayCounters:
     prefill_decisions: Counter[str]  # reason -> prefill nodes picked for it
 
     def __sub__(self, other: GatewayCounters) -> GatewayCounters:
-        return GatewayCounters(self.prompt_tokens - other.prompt_tokens, self.cached_tokens - other.cached_tokens,
-                               self.prefill_decisions - other.prefill_decisions)
+        return GatewayCounters(
+            self.prompt_tokens - other.prompt_tokens,
+            self.cached_tokens - other.cached_tokens,
+            self.prefill_decisions - other.prefill_decisions,
+        )
 
 
 def gateway_counters(base_url: str) -> GatewayCounters:
@@ -82,15 +85,22 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
     from pdserve.launcher import Launcher, LaunchPlan
 
     plan = LaunchPlan(
-        model=args.model, port=free_port(), num_prefill=2, num_decode=1,
+        model=args.model,
+        port=free_port(),
+        num_prefill=2,
+        num_decode=1,
         prefill_args=("--kv-cache-gib", str(args.prefill_kv_cache_gib)),
         gateway_args=("--router-policy", policy),
     )
     launcher = Launcher(plan)
     base_url = f"http://127.0.0.1:{plan.port}"
     workload = WorkloadConfig(
-        kind="shared-prefix", num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
-        question_len=args.question_len, output_len=args.output_len, seed=args.seed,
+        kind="shared-prefix",
+        num_prefixes=args.num_prefixes,
+        prefix_len=args.prefix_len,
+        question_len=args.question_len,
+        output_len=args.output_len,
+        seed=args.seed,
     )
     try:
         launcher.start()
@@ -99,7 +109,9 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
         client_config = ClientConfig(base_url=base_url, endpoint="chat", timeout_s=args.timeout_s)
         load = Load(concurrency=args.concurrency, num_requests=args.num_requests)
         # Both policies see the very same conversations (same tag); no warm-up: a cold cache is part of the test.
-        _, (level,) = asyncio.run(run_benchmark(client_config, [load], lambda tag: iter_conversations(workload, "routing"), num_warmup=0))
+        _, (level,) = asyncio.run(
+            run_benchmark(client_config, [load], lambda tag: iter_conversations(workload, "routing"), num_warmup=0)
+        )
         after = gateway_counters(base_url)
     finally:
         launcher.stop()
@@ -108,13 +120,16 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
 
 def format_markdown(results: Sequence[PolicyResult]) -> str:
     lines = [
-        "| policy | requests ok | TTFT mean (ms) | TTFT p50 (ms) | TTFT p90 (ms) | prefix hit rate | output tok/s | prefill picks by reason |",
+        "| policy | requests ok | TTFT mean (ms) | TTFT p50 (ms) | TTFT p90 (ms) | prefix hit rate | output tok/s "
+        "| prefill picks by reason |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         m, ttft = r.level.metrics, r.ttft
         cells = [f"{ttft.mean:.0f}", f"{ttft.p50:.0f}", f"{ttft.p90:.0f}"] if ttft else ["-"] * 3
-        lines.append(f"| {r.policy} | {m.num_succeeded}/{m.num_requests} | {' | '.join(cells)} | {r.hit_rate:.1%} | {m.output_throughput:.1f} | {_reasons(r.counters.prefill_decisions)} |")
+        cells = [r.policy, f"{m.num_succeeded}/{m.num_requests}", *cells, f"{r.hit_rate:.1%}"]
+        cells += [f"{m.output_throughput:.1f}", _reasons(r.counters.prefill_decisions)]
+        lines.append(f"| {' | '.join(cells)} |")
     by_policy = {r.policy: r for r in results}
     if {"round_robin", "prefix_aware"} <= by_policy.keys() and all(r.ttft for r in results):
         ratio = by_policy["round_robin"].ttft.mean / by_policy["prefix_aware"].ttft.mean
@@ -132,7 +147,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--num-prefixes", type=int, default=4)
-    parser.add_argument("--prefix-len", type=int, default=1000, help="system prompt length in words (about one token each)")
+    parser.add_argument(
+        "--prefix-len", type=int, default=1000, help="system prompt length in words (about one token each)"
+    )
     parser.add_argument("--question-len", type=int, default=24, help="words")
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
@@ -148,12 +165,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     results = [run_policy(policy, args) for policy in args.policies]
     print(format_markdown(results))
-    print(f"\n{args.num_requests} requests per policy, concurrency {args.concurrency}, {args.num_prefixes} prefixes of "
-          f"{args.prefix_len} words; {time.perf_counter() - started:.0f} s in all")
+    print(
+        f"\n{args.num_requests} requests per policy, concurrency {args.concurrency}, {args.num_prefixes} prefixes of "
+        f"{args.prefix_len} words; {time.perf_counter() - started:.0f} s in all"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{"policy": r.policy, "hit_rate": r.hit_rate, "ttft": r.ttft and vars(r.ttft),
-                        "prefill_decisions": r.counters.prefill_decisions} for r in results], f, indent=2)
+            json.dump(
+                [
+                    {
+                        "policy": r.policy,
+                        "hit_rate": r.hit_rate,
+                        "ttft": r.ttft and vars(r.ttft),
+                        "prefill_decisions": r.counters.prefill_decisions,
+                    }
+                    for r in results
+                ],
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -87,8 +87,14 @@ class LevelResult:
 class LoadGenerator:
     """Sends one level's requests through `client`; `run()` returns the records and the wall time."""
 
-    def __init__(self, client: StreamingClient, conversations: Iterator[Conversation], load: Load,
-                 seed: int = 0, show_progress: bool = True):
+    def __init__(
+        self,
+        client: StreamingClient,
+        conversations: Iterator[Conversation],
+        load: Load,
+        seed: int = 0,
+        show_progress: bool = True,
+    ):
         self.client = client
         self.load = load
         self.records: list[RequestRecord] = []
@@ -97,8 +103,14 @@ class LoadGenerator:
         self._num_sent = 0
         self._deadline: float | None = None
         self._in_flight = asyncio.Semaphore(load.concurrency) if load.concurrency else contextlib.nullcontext()
-        self._progress = tqdm(total=load.num_requests, desc=load.label, unit="req", mininterval=0.5,
-                              disable=not show_progress, file=sys.stderr)
+        self._progress = tqdm(
+            total=load.num_requests,
+            desc=load.label,
+            unit="req",
+            mininterval=0.5,
+            disable=not show_progress,
+            file=sys.stderr,
+        )
 
     async def run(self) -> tuple[list[RequestRecord], float]:
         start_s = time.perf_counter()
@@ -162,8 +174,13 @@ class LoadGenerator:
 
 
 async def run_benchmark(
-    client_config: ClientConfig, loads: Sequence[Load], conversations_for: ConversationSource,
-    slo: Slo = Slo(), num_warmup: int = 1, seed: int = 0, show_progress: bool = True,
+    client_config: ClientConfig,
+    loads: Sequence[Load],
+    conversations_for: ConversationSource,
+    slo: Slo | None = None,
+    num_warmup: int = 1,
+    seed: int = 0,
+    show_progress: bool = True,
 ) -> tuple[str, list[LevelResult]]:
     """Warms the server up, then runs each load level in turn; returns the model and the results."""
     async with StreamingClient(client_config) as client:
@@ -172,9 +189,14 @@ async def run_benchmark(
         for load in loads:
             generator = LoadGenerator(client, conversations_for(load.tag), load, seed, show_progress)
             records, duration_s = await generator.run()
-            metrics = compute_metrics(records, duration_s, slo)
-            logger.info("%s: %d ok, %d failed, %.1f output tok/s", load.label, metrics.num_succeeded,
-                        metrics.num_failed, metrics.output_throughput)
+            metrics = compute_metrics(records, duration_s, slo or Slo())
+            logger.info(
+                "%s: %d ok, %d failed, %.1f output tok/s",
+                load.label,
+                metrics.num_succeeded,
+                metrics.num_failed,
+                metrics.output_throughput,
+            )
             results.append(LevelResult(load, metrics, tuple(records)))
         return client.model, results
 
@@ -196,8 +218,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     server.add_argument("--api-key")
     server.add_argument("--timeout-s", type=float, default=300.0, help="per request")
     server.add_argument("--temperature", type=float, default=0.0)
-    server.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="send ignore_eos so that max_tokens fixes each output length")
+    server.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send ignore_eos so that max_tokens fixes each output length",
+    )
     workload = parser.add_argument_group("workload")
     workload.add_argument("--workload", choices=WORKLOADS, default="synthetic")
     workload.add_argument("--input-len", type=int, default=200, help="prompt (or per-turn message) tokens")
@@ -251,13 +277,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     try:
         workload = WorkloadConfig(
-            kind=args.workload, input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
-            num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, question_len=args.question_len,
-            num_turns=args.num_turns, dataset=args.dataset, seed=args.seed,
+            kind=args.workload,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            range_ratio=args.range_ratio,
+            num_prefixes=args.num_prefixes,
+            prefix_len=args.prefix_len,
+            question_len=args.question_len,
+            num_turns=args.num_turns,
+            dataset=args.dataset,
+            seed=args.seed,
         )
         client_config = ClientConfig(
-            base_url=args.base_url, model=args.model, endpoint=args.endpoint, timeout_s=args.timeout_s,
-            ignore_eos=args.ignore_eos, temperature=args.temperature, api_key=args.api_key,
+            base_url=args.base_url,
+            model=args.model,
+            endpoint=args.endpoint,
+            timeout_s=args.timeout_s,
+            ignore_eos=args.ignore_eos,
+            temperature=args.temperature,
+            api_key=args.api_key,
         )
         loads, slo = loads_from_args(args), Slo(args.slo_ttft_ms, args.slo_tpot_ms)
         if args.plot:
@@ -265,10 +303,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as error:
         sys.exit(f"pdserve bench serve: {error}")
     try:
-        model, results = asyncio.run(run_benchmark(
-            client_config, loads, lambda tag: iter_conversations(workload, tag), slo, args.num_warmup, args.seed,
-            show_progress=not args.no_progress,
-        ))
+        model, results = asyncio.run(
+            run_benchmark(
+                client_config,
+                loads,
+                lambda tag: iter_conversations(workload, tag),
+                slo,
+                args.num_warmup,
+                args.seed,
+                show_progress=not args.no_progress,
+            )
+        )
     except httpx.HTTPError as error:
         sys.exit(f"pdserve bench serve: cannot list models at {client_config.root_url}/v1/models ({error})")
     except (RuntimeError, ValueError) as error:  # a failed warm-up, or a workload the endpoint cannot take

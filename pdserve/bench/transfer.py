@@ -23,10 +23,10 @@ from collections.abc import Sequence
 import grpc
 import torch
 
-from pdserve.engine.kv_cache import allocate_kv_caches
 from kvtransfer.base import KvCommit, KvDestination, KvReceiver
 from kvtransfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvTransferServicer
 from kvtransfer.shm_transport import SharedKvCache, ShmKvSender, host_id
+from pdserve.engine.kv_cache import allocate_kv_caches
 
 LAYOUT = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
 
@@ -46,7 +46,14 @@ class _ReservingReceiver(KvReceiver):
 
 def _serve_receiver(num_blocks: int, ready, info) -> None:
     async def main():
-        shared = SharedKvCache(LAYOUT["num_layers"], num_blocks, LAYOUT["block_size"], LAYOUT["num_kv_heads"], LAYOUT["head_dim"], torch.float32)
+        shared = SharedKvCache(
+            LAYOUT["num_layers"],
+            num_blocks,
+            LAYOUT["block_size"],
+            LAYOUT["num_kv_heads"],
+            LAYOUT["head_dim"],
+            torch.float32,
+        )
         receiver = _ReservingReceiver(shared.kv_caches, list(range(num_blocks)), in_shared_memory=True)
         server = grpc.aio.server(options=GRPC_OPTIONS)
         KvTransferServicer(receiver).add_to_server(server)
@@ -90,7 +97,9 @@ def hot_memcpy_gbps(nbytes: int, repeats: int) -> float:
     return nbytes / best / 1e9
 
 
-async def measure_paths(senders: dict, kv_caches, block_ids, nbytes: int, repeats: int, pause_s: float) -> dict[str, float]:
+async def measure_paths(
+    senders: dict, kv_caches, block_ids, nbytes: int, repeats: int, pause_s: float
+) -> dict[str, float]:
     """Best bandwidth of each path; every measured transfer (the memcpy included) follows the
     same pause, so all of them start from the same cache state, as one request's push does."""
     source, target = torch.rand(nbytes // 4), torch.empty(nbytes // 4)
@@ -101,7 +110,10 @@ async def measure_paths(senders: dict, kv_caches, block_ids, nbytes: int, repeat
     def push(sender, destination):
         return lambda tag: sender.send(destination, kv_caches, block_ids, KvCommit(tag, 1))
 
-    paths = {"memcpy": memcpy, **{name: push(*sender_and_destination) for name, sender_and_destination in senders.items()}}
+    paths = {
+        "memcpy": memcpy,
+        **{name: push(*sender_and_destination) for name, sender_and_destination in senders.items()},
+    }
     best = dict.fromkeys(paths, float("inf"))
     for round_index in range(repeats + 1):  # round 0 warms every path up
         for name, transfer in paths.items():
@@ -115,7 +127,15 @@ async def measure_paths(senders: dict, kv_caches, block_ids, nbytes: int, repeat
 
 def run(prompt_tokens: int, repeats: int, pause_s: float) -> dict[str, float]:
     num_blocks = -(-prompt_tokens // LAYOUT["block_size"])
-    kv_caches = allocate_kv_caches(LAYOUT["num_layers"], num_blocks, LAYOUT["block_size"], LAYOUT["num_kv_heads"], LAYOUT["head_dim"], torch.float32, "cpu")
+    kv_caches = allocate_kv_caches(
+        LAYOUT["num_layers"],
+        num_blocks,
+        LAYOUT["block_size"],
+        LAYOUT["num_kv_heads"],
+        LAYOUT["head_dim"],
+        torch.float32,
+        "cpu",
+    )
     for k, v in kv_caches:
         k.uniform_()
         v.uniform_()
@@ -155,8 +175,10 @@ def format_result(result: dict[str, float], prompt_tokens: int, pause_s: float) 
         ("memcpy, back to back", result["hot_memcpy"]),
     ]
     lines = [
-        f"KV transfer of one {prompt_tokens}-token prompt ({result['bytes'] / 1e6:.1f} MB of pages), receiver in another process",
-        f"each path timed after the same {pause_s * 1e3:.0f} ms pause; the last line is the cache-hot copy rate, for reference",
+        f"KV transfer of one {prompt_tokens}-token prompt ({result['bytes'] / 1e6:.1f} MB of pages), "
+        "receiver in another process",
+        f"each path timed after the same {pause_s * 1e3:.0f} ms pause; "
+        "the last line is the cache-hot copy rate, for reference",
         f"{'path':<24}{'GB/s':>8}{'vs memcpy':>12}",
     ]
     lines += [f"{name:<24}{rate:>8.2f}{rate / memcpy:>11.2f}x" for name, rate in rows]
@@ -169,7 +191,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--pause-ms", type=float, default=20.0, help="idle time before each measured transfer")
     args = parser.parse_args(argv)
-    print(format_result(run(args.prompt_tokens, args.repeats, args.pause_ms / 1e3), args.prompt_tokens, args.pause_ms / 1e3))
+    print(
+        format_result(
+            run(args.prompt_tokens, args.repeats, args.pause_ms / 1e3), args.prompt_tokens, args.pause_ms / 1e3
+        )
+    )
 
 
 if __name__ == "__main__":

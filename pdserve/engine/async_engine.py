@@ -33,7 +33,9 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], asyncio.Future, asyncio.AbstractEventLoop]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[
+            tuple[Callable[[LLMEngine], Any], asyncio.Future, asyncio.AbstractEventLoop]
+        ] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._streams_lock = threading.Lock()
         self._stopping = threading.Event()

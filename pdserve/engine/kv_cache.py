@@ -33,7 +33,9 @@ def stacked_view(kv_caches) -> torch.Tensor | None:
     """The [num_layers, 2, num_blocks, ...] tensor the per-layer caches are views of, or None
     if they are separate allocations."""
     k0 = kv_caches[0][0]
-    layer_stride = kv_caches[1][0].data_ptr() - k0.data_ptr() if len(kv_caches) > 1 else 2 * k0.numel() * k0.element_size()
+    layer_stride = (
+        kv_caches[1][0].data_ptr() - k0.data_ptr() if len(kv_caches) > 1 else 2 * k0.numel() * k0.element_size()
+    )
     kind_stride = kv_caches[0][1].data_ptr() - k0.data_ptr()
     size = k0.element_size()
     for layer, (k, v) in enumerate(kv_caches):

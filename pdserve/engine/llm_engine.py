@@ -70,7 +70,9 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return request
 
-    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> Reservation | None:
+    def reserve_prefilled(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+    ) -> Reservation | None:
         """Decode node: holds blocks for a prompt computed elsewhere, reusing the leading blocks
         already in this node's prefix cache; None if the pool is full."""
         return self.scheduler.reserve(self._new_request(request_id, prompt_token_ids, sampling_params))
@@ -123,7 +125,11 @@ class LLMEngine:
         scheduler = self.scheduler
         return {
             "num_waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
-            + sum(r.num_tokens - r.num_computed_tokens for r in scheduler.running if r.num_computed_tokens < r.num_prompt_tokens),
+            + sum(
+                r.num_tokens - r.num_computed_tokens
+                for r in scheduler.running
+                if r.num_computed_tokens < r.num_prompt_tokens
+            ),
             "num_running": len(scheduler.running) + len(scheduler.prefilled),
             "num_free_blocks": self.kv_cache_manager.num_free_blocks,
             "num_pending_transfers": len(scheduler.reserved) + len(scheduler.held),
@@ -191,7 +197,9 @@ def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
 
 
-def _output(request: Request, new_token_ids: list[int], new_logprobs: list, with_history: bool = False) -> RequestOutput:
+def _output(
+    request: Request, new_token_ids: list[int], new_logprobs: list, with_history: bool = False
+) -> RequestOutput:
     return RequestOutput(
         request_id=request.request_id,
         new_token_ids=new_token_ids,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class PackagedModel:
     """A model shipped as a GGUF file inside an installed Python package."""
@@ -71,7 +72,9 @@ def resolve_model(model: str, cache_dir: Path | None = None) -> ResolvedModel:
         return ResolvedModel(folder, alias.served_name)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        key = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+        key = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[
+            :16
+        ]
         return ResolvedModel(_convert_gguf_cached(path, cache_dir / f"{path.stem}-{key}"), path.stem)
     if path.is_dir() and (path / "config.json").exists():
         return ResolvedModel(path, _served_name_of(path))

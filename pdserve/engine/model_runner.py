@@ -34,7 +34,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, hf_config: PretrainedConfig) -> None:
         architectures = set(hf_config.architectures or [])
         if not architectures & SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {hf_config.architectures}; pdserve runs {sorted(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f"unsupported architecture {hf_config.architectures}; pdserve runs {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
@@ -42,12 +44,20 @@ class ModelRunner:
         self.num_blocks = config.cache.num_blocks or self._num_blocks_for(config.cache.kv_cache_memory_bytes, hf_config)
         attn = self.model.layers[0].self_attn
         self.kv_caches = allocate_kv_caches(
-            hf_config.num_hidden_layers, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype, config.device
+            hf_config.num_hidden_layers,
+            self.num_blocks,
+            self.block_size,
+            attn.num_kv_heads,
+            attn.head_dim,
+            self.dtype,
+            config.device,
         )
         self.sampler = Sampler()
         self.seed_generator = torch.Generator().manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
-        logger.info("model loaded from %s; KV cache: %d blocks of %d tokens", model_path, self.num_blocks, self.block_size)
+        logger.info(
+            "model loaded from %s; KV cache: %d blocks of %d tokens", model_path, self.num_blocks, self.block_size
+        )
 
     def _load_model(self, config: EngineConfig, model_path: Path, hf_config: PretrainedConfig) -> LlamaModel:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -70,11 +80,15 @@ class ModelRunner:
 
     def _num_blocks_for(self, memory_bytes: int, hf_config: PretrainedConfig) -> int:
         attn = self.model.layers[0].self_attn
-        per_block = bytes_per_block(hf_config.num_hidden_layers, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype)
+        per_block = bytes_per_block(
+            hf_config.num_hidden_layers, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype
+        )
         return max(1, memory_bytes // per_block)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], after_layer=None) -> dict[str, tuple[int, TokenLogprob | None]]:
+    def execute(
+        self, scheduled: list[ScheduledRequest], after_layer=None
+    ) -> dict[str, tuple[int, TokenLogprob | None]]:
         """Runs the step; returns request id -> (next token, its logprob) for sequences that completed.
         `after_layer(i)` is called as soon as layer i's K/V are written."""
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
@@ -89,7 +103,10 @@ class ModelRunner:
         )
         metadata = self.model.layers[0].self_attn.backend.prepare(layout)
         hidden = self.model(
-            torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), self.kv_caches, metadata,
+            torch.tensor(input_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            self.kv_caches,
+            metadata,
             after_layer,
         )
         if not sampled:

@@ -105,9 +105,7 @@ class Request:
         """Sets a finished status if the last token ends the request; returns whether it did."""
         params = self.sampling_params
         last = self.all_token_ids[-1]
-        if last in params.stop_token_ids or (
-            not params.ignore_eos and last in self.eos_token_ids
-        ):
+        if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
             self.status = RequestStatus.FINISHED_STOPPED
         elif self.num_output_tokens >= params.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH

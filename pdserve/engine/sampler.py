@@ -30,12 +30,16 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            sampled = self._sample(logits[random_rows], [params[i] for i in random_rows], [generators[i] for i in random_rows])
+            sampled = self._sample(
+                logits[random_rows], [params[i] for i in random_rows], [generators[i] for i in random_rows]
+            )
             token_ids[random_rows] = sampled
         ids = token_ids.tolist()
         return SamplerOutput(ids, self._logprobs(logits, ids, params))
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+    ) -> torch.Tensor:
         temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
         logits = logits / temperatures[:, None]
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
@@ -46,7 +50,9 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, token_ids: list[int], params: list[SamplingParams]) -> list[TokenLogprob | None]:
+    def _logprobs(
+        logits: torch.Tensor, token_ids: list[int], params: list[SamplingParams]
+    ) -> list[TokenLogprob | None]:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         result: list[TokenLogprob | None] = [None] * len(params)
         if not rows:

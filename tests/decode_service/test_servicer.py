@@ -8,10 +8,10 @@ import grpc
 import pytest
 
 from decode_service.servicer import DecodeServicer
-from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.async_engine import AsyncEngine
 from kvtransfer.base import KvReceiver
 from kvtransfer.fake import FakeKvSender
+from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.async_engine import AsyncEngine
 from prefill_service.servicer import PrefillServicer
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from protos.convert import sampling_params_to_proto
@@ -39,7 +39,9 @@ async def serve(tiny_llama_path):
 
 
 def generate_request(rid, prompt, params, **kw):
-    return decode_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sampling_params_to_proto(params), **kw)
+    return decode_pb2.GenerateRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling_params=sampling_params_to_proto(params), **kw
+    )
 
 
 async def free_blocks(async_engine: AsyncEngine) -> int:
@@ -76,7 +78,12 @@ def test_prefill_then_decode_equals_the_offline_engine(tiny_llama_path):
         call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(generate_request("r", prompt, params))
         assert (await call.read()).reserved.num_blocks == 3
         first = await prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(
-            prefill_pb2.PrefillRequest(request_id="r", prompt_token_ids=prompt, sampling_params=sampling_params_to_proto(params), decode_address="decode")
+            prefill_pb2.PrefillRequest(
+                request_id="r",
+                prompt_token_ids=prompt,
+                sampling_params=sampling_params_to_proto(params),
+                decode_address="decode",
+            )
         )
         tokens = [first.first_token_id]
         while (message := await call.read()) is not grpc.aio.EOF:
@@ -109,7 +116,9 @@ def test_pages_that_never_arrive_free_the_blocks_and_fail_unavailable(tiny_llama
 def test_client_cancellation_aborts_and_frees_blocks(tiny_llama_path):
     async def scenario(channel, decode_engine, _):
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(generate_request("c", list(range(40)), params, local_prefill=True))
+        call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(
+            generate_request("c", list(range(40)), params, local_prefill=True)
+        )
         await call.read()  # reserved
         await call.read()  # first tokens
         call.cancel()
@@ -125,7 +134,9 @@ def test_full_pool_is_refused_with_resource_exhausted(tiny_llama_path):
             generate_request("big", list(range(NUM_BLOCKS * 16 - 20)), SamplingParams(max_tokens=4))
         )
         await call.read()
-        second = decode_pb2_grpc.DecodeServiceStub(channel).Generate(generate_request("next", list(range(100)), SamplingParams(max_tokens=4)))
+        second = decode_pb2_grpc.DecodeServiceStub(channel).Generate(
+            generate_request("next", list(range(100)), SamplingParams(max_tokens=4))
+        )
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await second.read()
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -140,8 +151,12 @@ async def disaggregated_generate(channel, rid, prompt, params) -> tuple[list[int
     reserved = (await call.read()).reserved
     first = await prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(
         prefill_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling_params=sampling_params_to_proto(params), decode_address="decode",
-            decode_block_ids=reserved.block_ids, decode_num_cached_blocks=reserved.num_cached_blocks,
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling_params=sampling_params_to_proto(params),
+            decode_address="decode",
+            decode_block_ids=reserved.block_ids,
+            decode_num_cached_blocks=reserved.num_cached_blocks,
         )
     )
     tokens = [first.first_token_id]

@@ -31,15 +31,31 @@ class ProcessGroup:
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")
         process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", *args], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "pdserve.cli", *args],
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.processes[name] = process
         return process
 
     def start_node(self, role: str, name: str, model: str, redis_url: str, *extra: str) -> subprocess.Popen:
-        return self.start(name, role, "--model", model, "--redis-url", redis_url, "--node-id", name,
-                          "--num-threads", "1", "--kv-cache-gib", "0.05", *extra)
+        return self.start(
+            name,
+            role,
+            "--model",
+            model,
+            "--redis-url",
+            redis_url,
+            "--node-id",
+            name,
+            "--num-threads",
+            "1",
+            "--kv-cache-gib",
+            "0.05",
+            *extra,
+        )
 
     def start_gateway(self, model: str, redis_url: str, *extra: str) -> str:
         port = free_port()
@@ -109,11 +125,17 @@ def running_cluster(model: str, log_dir: Path, nodes: Sequence[tuple[str, ...]],
 def metric_samples(base_url: str, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
     """The gateway's samples of one Prometheus metric whose labels include `labels`."""
     text = httpx.get(f"{base_url}/metrics", timeout=5, follow_redirects=True).text
-    return [(sample.labels, sample.value)
-            for family in text_string_to_metric_families(text) for sample in family.samples
-            if sample.name == name and labels.items() <= sample.labels.items()]
+    return [
+        (sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    ]
 
 
 def routed_counts(base_url: str, role: str) -> dict[str, float]:
     """Requests the gateway sent to each node of a role."""
-    return {labels["node_id"]: value for labels, value in metric_samples(base_url, "pdserve_gateway_routed_requests_total", role=role)}
+    return {
+        labels["node_id"]: value
+        for labels, value in metric_samples(base_url, "pdserve_gateway_routed_requests_total", role=role)
+    }

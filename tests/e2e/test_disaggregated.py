@@ -53,9 +53,27 @@ async def stream_chat(api: openai.AsyncOpenAI, model: str, question: str) -> tup
 
 def offline_generate(model: str, questions: list[str]) -> list[dict]:
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "generate", "--model", model, "--chat", "--temperature", "0",
-         "--max-tokens", str(MAX_TOKENS), "--kv-cache-gib", "0.05", *questions],
-        cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "generate",
+            "--model",
+            model,
+            "--chat",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--kv-cache-gib",
+            "0.05",
+            *questions,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
     )
     return [json.loads(line) for line in out.stdout.splitlines()]
 
@@ -85,8 +103,11 @@ def test_a_late_decode_node_is_used_and_a_dead_one_is_dropped(cluster):
         model = (await api.models.list()).data[0].id
         return await asyncio.gather(*(stream_chat(api, model, q) for q in QUESTIONS[:n]))
 
-    wait_until(lambda: asyncio.run(chats(3)) and routed_counts(base_url, "decode").get("decode-late", 0) > 0, 30,
-               "a request routed to the late node")
+    wait_until(
+        lambda: asyncio.run(chats(3)) and routed_counts(base_url, "decode").get("decode-late", 0) > 0,
+        30,
+        "a request routed to the late node",
+    )
     group.stop("decode-late", signal.SIGKILL)  # dies without leaving the registry: only the TTL removes it
     wait_until(lambda: num_registered(redis_url) == 3, 10, "the dead node's entry to expire")
     time.sleep(1.0)  # the gateway's registry snapshot refreshes every 0.5 s

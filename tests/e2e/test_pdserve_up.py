@@ -24,7 +24,10 @@ def base_url():
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port)],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     lines: list[str] = []

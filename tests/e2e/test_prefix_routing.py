@@ -11,9 +11,9 @@ import httpx
 import pytest
 import redis
 
+from gateway.tokenizer import Tokenizer
 from pdserve.cluster_state.registry import NodeInfo, node_key
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from gateway.tokenizer import Tokenizer
 from tests.e2e.processes import metric_samples, routed_counts, running_cluster, wait_until
 from tests.factories import build_tiny_chat_model
 
@@ -75,7 +75,9 @@ def test_requests_sharing_a_system_prompt_land_on_the_node_that_cached_it(cluste
 
 
 async def chats_in_parallel(cluster, questions: list[str]) -> list[tuple[str, dict[str, str]]]:
-    return await asyncio.gather(*(chat(cluster["base_url"], cluster["model"], [{"role": "user", "content": q}]) for q in questions))
+    return await asyncio.gather(
+        *(chat(cluster["base_url"], cluster["model"], [{"role": "user", "content": q}]) for q in questions)
+    )
 
 
 def in_flight(base_url: str) -> float:
@@ -92,7 +94,9 @@ def test_a_burst_on_one_prefix_is_spread_by_the_load_cap(cluster):
     async def body():
         await chat(cluster["base_url"], cluster["model"], ask("Warm the cache."))
         await asyncio.sleep(0.5)
-        replies = await asyncio.gather(*(chat(cluster["base_url"], cluster["model"], ask(f"Burst {i}?")) for i in range(24)))
+        replies = await asyncio.gather(
+            *(chat(cluster["base_url"], cluster["model"], ask(f"Burst {i}?")) for i in range(24))
+        )
         return [route for _, route in replies]
 
     capped_before = load_cap_decisions(cluster["base_url"])
@@ -136,14 +140,18 @@ def test_a_killed_prefill_nodes_entries_expire_and_its_restart_does_not_inherit_
     # Still registered: distinct prompts spread over both nodes by queued work, so some first
     # go to the dead node, fail to connect and are retried on the other.
     tried_before = routed_counts(cluster["base_url"], "prefill").get("prefill-1", 0)
-    replies = asyncio.run(chats_in_parallel(cluster, [f"Question {i}: " + "why is the sky blue " * 20 for i in range(6)]))
+    replies = asyncio.run(
+        chats_in_parallel(cluster, [f"Question {i}: " + "why is the sky blue " * 20 for i in range(6)])
+    )
     assert routed_counts(cluster["base_url"], "prefill").get("prefill-1", 0) > tried_before
     assert all(route["prefill"] == "prefill-0" for _, route in replies)
     assert in_flight(cluster["base_url"]) == 0  # the failed attempts released their nodes too
     wait_until(lambda: not kv_index_keys(redis_url, "prefill-1"), 10, "prefill-1's KV index entries to expire")
     assert time.monotonic() - started <= 3.0 + 1.0  # the registry TTL, plus polling slack
     group.start_node("prefill", "prefill-1", cluster["model"], redis_url)
-    wait_until(lambda: (info := registered(redis_url, "prefill-1")) and info.incarnation != old.incarnation, 120, "the restart")
+    wait_until(
+        lambda: (info := registered(redis_url, "prefill-1")) and info.incarnation != old.incarnation, 120, "the restart"
+    )
     assert not redis.Redis.from_url(redis_url).exists(f"pdserve:kv:prefill-1:{old.incarnation}")
     for key in kv_index_keys(redis_url, "prefill-1"):
         assert redis.Redis.from_url(redis_url).scard(key) == 0  # a fresh node caches nothing yet

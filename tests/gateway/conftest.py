@@ -11,13 +11,13 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from pdserve.engine.model_loader import DEFAULT_MODEL, resolve_model
 from gateway import app as gateway_app
 from gateway.app import create_app
 from gateway.served_model import ServedModel, load_served_model
 from gateway.server import uvicorn_config
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import Tokenizer
+from pdserve.engine.model_loader import DEFAULT_MODEL, resolve_model
 from tests.gateway.fakes import DEFAULT_TEXT, FakeBackend, text_chunks
 
 

@@ -8,10 +8,10 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.engine.request import TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
 from gateway.backend import BackendError, GenerationChunk
 from gateway.tokenizer import Tokenizer
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
 
 EOS_TOKEN_ID = 2  # <|im_end|> of the default model
 DEFAULT_TEXT = "Hello there! 😀 How are you today?"
@@ -43,7 +43,9 @@ class FakeStream:
     """Scripted chunks as an async iterator that records how it ended. With `hang`, it waits
     forever after the chunks (until the gateway closes it); `error` is raised after `error_after` chunks."""
 
-    def __init__(self, chunks: list[GenerationChunk], error: BackendError | None = None, error_after: int = 0, hang: bool = False):
+    def __init__(
+        self, chunks: list[GenerationChunk], error: BackendError | None = None, error_after: int = 0, hang: bool = False
+    ):
         self.chunks = chunks
         self.error = error
         self.error_after = error_after
@@ -101,8 +103,15 @@ class FakeBackend:
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> FakeStream:
         chunks = self.script(prompt_token_ids, params) if callable(self.script) else self.script
-        stream = FakeStream([GenerationChunk(list(c.token_ids), list(c.logprobs), c.finish_reason, c.num_cached_tokens) for c in chunks],
-                            self.error, self.error_after, self.hang)
+        stream = FakeStream(
+            [
+                GenerationChunk(list(c.token_ids), list(c.logprobs), c.finish_reason, c.num_cached_tokens)
+                for c in chunks
+            ],
+            self.error,
+            self.error_after,
+            self.hang,
+        )
         self.calls.append(GenerateCall(request_id, list(prompt_token_ids), params, stream))
         return stream
 

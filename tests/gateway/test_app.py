@@ -6,9 +6,9 @@ import json
 import subprocess
 import sys
 
-from pdserve.engine.model_loader import DEFAULT_MODEL
 from gateway.served_model import load_served_model
 from gateway.settings import GatewaySettings
+from pdserve.engine.model_loader import DEFAULT_MODEL
 
 
 def test_models_lists_the_served_model(client, settings):
@@ -36,14 +36,29 @@ def test_every_response_has_a_request_id(client):
 def test_openapi_documents_requests_responses_and_stream_chunks(client):
     schema = client.get("/openapi.json").json()
     components = schema["components"]["schemas"]
-    for name in ("ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionChunk", "ChatDelta",
-                 "CompletionRequest", "CompletionResponse", "CompletionChunk", "ErrorResponse", "ModelList"):
+    for name in (
+        "ChatCompletionRequest",
+        "ChatCompletionResponse",
+        "ChatCompletionChunk",
+        "ChatDelta",
+        "CompletionRequest",
+        "CompletionResponse",
+        "CompletionChunk",
+        "ErrorResponse",
+        "ModelList",
+    ):
         assert name in components, name
     assert set(components["ChatDelta"]["properties"]) == {"role", "content"}
     chat = schema["paths"]["/v1/chat/completions"]["post"]
-    assert chat["responses"]["200"]["content"]["text/event-stream"]["schema"] == {"$ref": "#/components/schemas/ChatCompletionChunk"}
-    assert chat["responses"]["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatCompletionResponse"}
-    assert chat["responses"]["429"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert chat["responses"]["200"]["content"]["text/event-stream"]["schema"] == {
+        "$ref": "#/components/schemas/ChatCompletionChunk"
+    }
+    assert chat["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ChatCompletionResponse"
+    }
+    assert chat["responses"]["429"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ErrorResponse"
+    }
     assert "422" not in chat["responses"], "validation errors are 400 here"
     completions = schema["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
     assert completions["text/event-stream"]["schema"] == {"$ref": "#/components/schemas/CompletionChunk"}

@@ -22,7 +22,12 @@ def test_non_streamed_response(client, backend, tokenizer):
     assert body["id"] == f"chatcmpl-{response.headers['x-request-id']}"
     assert body["model"] == "smollm2"
     assert body["choices"] == [
-        {"index": 0, "message": {"role": "assistant", "content": DEFAULT_TEXT}, "logprobs": None, "finish_reason": "stop"}
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": DEFAULT_TEXT},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
     ]
     prompt = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False)
     num_completion = len(tokenizer.encode(DEFAULT_TEXT, add_special_tokens=False)) + 1  # + EOS
@@ -45,8 +50,12 @@ def test_streamed_events_follow_openai(client):
     events = parse_sse(response.text)
     first, *content, finish, done = events
     assert first["object"] == "chat.completion.chunk"
-    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-    assert all(e["choices"][0]["finish_reason"] is None and set(e["choices"][0]["delta"]) == {"content"} for e in content)
+    assert first["choices"] == [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    ]
+    assert all(
+        e["choices"][0]["finish_reason"] is None and set(e["choices"][0]["delta"]) == {"content"} for e in content
+    )
     assert "".join(e["choices"][0]["delta"]["content"] for e in content) == DEFAULT_TEXT
     assert finish["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
     assert "usage" not in finish
@@ -157,7 +166,9 @@ def test_content_parts_are_joined(client, backend, tokenizer):
 
 
 def test_unknown_fields_are_tolerated(client):
-    assert chat(client, user="u1", parallel_tool_calls=False, metadata={"a": "b"}, frequency_penalty=0).status_code == 200
+    assert (
+        chat(client, user="u1", parallel_tool_calls=False, metadata={"a": "b"}, frequency_penalty=0).status_code == 200
+    )
 
 
 def test_length_finish_reason_passes_through(client, backend, tokenizer):

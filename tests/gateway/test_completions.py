@@ -71,7 +71,12 @@ def test_logprobs_in_completions_format(client, backend, tokenizer):
 def test_streamed_logprob_offsets_continue_across_chunks(client, backend, tokenizer):
     backend.script = text_chunks(tokenizer, "Hi there", with_logprobs=True)
     events = parse_sse(complete(client, logprobs=0, stream=True).text)
-    offsets = [o for e in events[:-1] if e["choices"] and e["choices"][0]["logprobs"] for o in e["choices"][0]["logprobs"]["text_offset"]]
+    offsets = [
+        o
+        for e in events[:-1]
+        if e["choices"] and e["choices"][0]["logprobs"]
+        for o in e["choices"][0]["logprobs"]["text_offset"]
+    ]
     assert offsets == [0, 2, 8]
 
 

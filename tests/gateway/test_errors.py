@@ -24,7 +24,9 @@ def assert_openai_error(response, status: int, param: str | None = None, code: s
 
 
 def test_malformed_json_is_400(client):
-    response = client.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+    response = client.post(
+        "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}
+    )
     error = assert_openai_error(response, 400)
     assert error["type"] == "invalid_request_error"
     assert "JSON" in error["message"]
@@ -63,7 +65,13 @@ def test_invalid_chat_fields_are_400_with_param(client, fields, param):
 
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"prompt": []}, "prompt"), ({"prompt": [10**7]}, "prompt"), ({"prompt": ""}, "prompt"), ({"echo": True}, "echo"), ({"logprobs": 21}, "logprobs")],
+    [
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [10**7]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"echo": True}, "echo"),
+        ({"logprobs": 21}, "logprobs"),
+    ],
 )
 def test_invalid_completion_fields_are_400_with_param(client, fields, param):
     assert_openai_error(client.post("/v1/completions", json={"prompt": "x", **fields}), 400, param=param)
@@ -78,7 +86,9 @@ def test_context_overflow_is_400(client, settings):
 
 
 def test_unknown_model_is_404(client):
-    assert_openai_error(client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-4"}), 404, param="model", code="model_not_found")
+    assert_openai_error(
+        client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-4"}), 404, param="model", code="model_not_found"
+    )
 
 
 def test_template_rejection_is_400(client, backend):

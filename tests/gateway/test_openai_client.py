@@ -66,7 +66,9 @@ def test_errors_raise_the_matching_client_exceptions(openai_client, backend):
 
 def test_sse_bytes_on_the_wire(live_server):
     """The exact framing a non-Python client parses: `data: {...}\\n\\n` events, then `data: [DONE]\\n\\n`."""
-    with httpx.stream("POST", f"{live_server}/v1/chat/completions", json={"messages": MESSAGES, "stream": True}) as response:
+    with httpx.stream(
+        "POST", f"{live_server}/v1/chat/completions", json={"messages": MESSAGES, "stream": True}
+    ) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         assert response.headers["x-request-id"]
         body = response.read().decode()
@@ -76,7 +78,9 @@ def test_sse_bytes_on_the_wire(live_server):
 
 def test_client_closing_the_stream_aborts_the_backend(live_server, backend):
     backend.hang = True  # the generation would never end on its own
-    with httpx.stream("POST", f"{live_server}/v1/chat/completions", json={"messages": MESSAGES, "stream": True}) as response:
+    with httpx.stream(
+        "POST", f"{live_server}/v1/chat/completions", json={"messages": MESSAGES, "stream": True}
+    ) as response:
         next(response.iter_lines())
     deadline = time.monotonic() + 10
     while not (backend.calls and backend.calls[0].stream.closed_early):

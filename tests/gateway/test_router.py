@@ -8,16 +8,18 @@ import math
 import pytest
 from prometheus_client import REGISTRY
 
+from gateway.router import Router, RoutingPolicy
 from pdserve.cluster_state.registry import NodeCapacity, NodeInfo, NodeLoad
 from pdserve.engine.block_hash import hash_token_blocks
-from gateway.router import Router, RoutingPolicy
 
 BLOCK = 16
 
 
 def node(node_id: str, role: str = "prefill", **load) -> NodeInfo:
     capacity = NodeCapacity(num_blocks=512, block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=512)
-    return NodeInfo(node_id=node_id, role=role, address=f"{node_id}:1", model="m", capacity=capacity, load=NodeLoad(**load))
+    return NodeInfo(
+        node_id=node_id, role=role, address=f"{node_id}:1", model="m", capacity=capacity, load=NodeLoad(**load)
+    )
 
 
 class FixedRegistry:
@@ -73,8 +75,12 @@ def test_prefix_aware_weighs_cached_tokens_against_queued_work():
 
 
 def small_step_cluster(max_num_batched_tokens: int = 64) -> list[NodeInfo]:
-    capacity = NodeCapacity(num_blocks=512, block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens)
-    prefills = [NodeInfo(node_id=i, role="prefill", address=f"{i}:1", model="m", capacity=capacity) for i in ("p0", "p1")]
+    capacity = NodeCapacity(
+        num_blocks=512, block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens
+    )
+    prefills = [
+        NodeInfo(node_id=i, role="prefill", address=f"{i}:1", model="m", capacity=capacity) for i in ("p0", "p1")
+    ]
     return prefills + [node("d0", "decode"), node("d1", "decode")]
 
 
@@ -118,7 +124,12 @@ def test_decode_cap_counts_requests_in_flight():
 
 def test_prefix_aware_without_the_index_routes_by_load():
     index = FakeIndex(down=True)
-    cluster = [node("p0", num_waiting_tokens=300), node("p1"), node("d0", "decode", num_running=5), node("d1", "decode")]
+    cluster = [
+        node("p0", num_waiting_tokens=300),
+        node("p1"),
+        node("d0", "decode", num_running=5),
+        node("d1", "decode"),
+    ]
     chosen = route(Router(FixedRegistry(cluster), RoutingPolicy.PREFIX_AWARE, index))
     assert (chosen.prefill.node_id, chosen.decode.node_id) == ("p1", "d1")
 
@@ -155,7 +166,10 @@ def test_a_prefill_node_is_free_once_its_prefill_returns():
     assert "p0" not in router.in_flight and "p0" not in router.in_flight_tokens
     assert sum(router.in_flight.values()) == 10  # all on decode nodes
     assert REGISTRY.get_sample_value("pdserve_gateway_in_flight_requests", {"node_id": "p0"}) == 0
-    assert sum(REGISTRY.get_sample_value("pdserve_gateway_in_flight_requests", {"node_id": d}) or 0 for d in ("d0", "d1")) == 10
+    assert (
+        sum(REGISTRY.get_sample_value("pdserve_gateway_in_flight_requests", {"node_id": d}) or 0 for d in ("d0", "d1"))
+        == 10
+    )
     for lease in leases:
         lease.release()
     assert not router.in_flight and not router.in_flight_tokens

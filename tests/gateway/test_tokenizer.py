@@ -54,7 +54,9 @@ def test_chat_template_equals_transformers(tokenizer, reference, messages, add_g
     expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     assert rendered == expected
-    expected_ids = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False)
+    expected_ids = reference.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+    )
     assert tokenizer.encode(rendered, add_special_tokens=False) == list(expected_ids)
 
 
@@ -95,7 +97,8 @@ def test_template_environment_matches_transformers(tmp_path, default_model_path,
     trim_blocks / lstrip_blocks: rendered as transformers renders the same template."""
     template = (
         "{{ bos_token }}{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}\n"
-        "  {% if loop.index > 2 %}{% break %}{% endif %}{% generation %}{{ m | tojson }}{% endgeneration %}\n{% endfor %}"
+        "  {% if loop.index > 2 %}{% break %}{% endif %}"
+        "{% generation %}{{ m | tojson }}{% endgeneration %}\n{% endfor %}"
     )
     tokenizer = _folder_with_template(tmp_path, default_model_path, template)
     messages = [{"role": "user", "content": "<b>&"}] * 3

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.request import TokenLogprob
 from kvtransfer.base import KEY, VALUE, KvCommit, KvPage
 from kvtransfer.page_codec import batch_pages, decode_request, encode_commit, encode_pages
+from pdserve.engine.request import TokenLogprob
 from protos import kv_transfer_pb2
 
 
@@ -23,7 +23,10 @@ def test_encoded_pages_parse_with_protobuf():
     pages = [page(0), page(1, VALUE, num_bytes=200_000), page(29, num_bytes=0)]
     message = kv_transfer_pb2.PushKvRequest.FromString(encode_pages(pages))
     assert message.WhichOneof("item") == "pages"
-    parsed = [KvPage(m.request_id, m.layer, int(m.kind), m.block_index, m.num_blocks, m.dtype, m.data) for m in message.pages.pages]
+    parsed = [
+        KvPage(m.request_id, m.layer, int(m.kind), m.block_index, m.num_blocks, m.dtype, m.data)
+        for m in message.pages.pages
+    ]
     assert [fields(p) for p in parsed] == [fields(p) for p in pages]
 
 
@@ -32,7 +35,13 @@ def test_protobuf_encoded_pages_decode_as_views():
     message = kv_transfer_pb2.PushKvRequest()
     for p in pages:
         message.pages.pages.add(
-            request_id=p.request_id, layer=p.layer, kind=p.kind, block_index=p.block_index, num_blocks=p.num_blocks, dtype=p.dtype, data=p.data
+            request_id=p.request_id,
+            layer=p.layer,
+            kind=p.kind,
+            block_index=p.block_index,
+            num_blocks=p.num_blocks,
+            dtype=p.dtype,
+            data=p.data,
         )
     raw = message.SerializeToString()
     decoded = decode_request(raw)
@@ -58,7 +67,10 @@ def test_batches_stay_under_the_byte_limit_and_keep_order():
     batches = list(batch_pages(pages, max_bytes=1000))
     assert [len(b) for b in batches] == [2, 2, 2, 2, 2]
     assert [p for b in batches for p in b] == pages
-    assert [len(b) for b in batch_pages([page(0, num_bytes=5000), page(1)], max_bytes=1000)] == [1, 1]  # an oversized page goes alone
+    assert [len(b) for b in batch_pages([page(0, num_bytes=5000), page(1)], max_bytes=1000)] == [
+        1,
+        1,
+    ]  # an oversized page goes alone
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x1a\x05abc", b"\x1a\x02\x0a\x7f", b"\x1a\x80"])

@@ -7,9 +7,19 @@ import asyncio
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import allocate_kv_caches
-from kvtransfer.base import KEY, VALUE, KvCommit, KvDestination, KvPage, KvReceiver, TransferError, TransferStatus, iter_pages
+from kvtransfer.base import (
+    KEY,
+    VALUE,
+    KvCommit,
+    KvDestination,
+    KvPage,
+    KvReceiver,
+    TransferError,
+    TransferStatus,
+    iter_pages,
+)
 from kvtransfer.fake import FakeKvSender
+from pdserve.engine.kv_cache import allocate_kv_caches
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM = 2, 8, 4, 2, 8
 
@@ -17,7 +27,7 @@ NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM = 2, 8, 4, 2, 8
 def caches(fill: float | None = None):
     kv = allocate_kv_caches(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM, torch.float32, "cpu")
     if fill is not None:
-        for layer, (k, v) in enumerate(kv):
+        for k, v in kv:
             k.copy_(torch.randn_like(k))
             v.copy_(torch.randn_like(v))
     return kv
@@ -32,7 +42,11 @@ def test_pages_land_in_the_reserved_blocks_and_commit_completes():
     source, target = caches(fill=1.0), caches()
     receiver = KvReceiver(target)
     receiver.reserve("r", [5, 2, 7])
-    asyncio.run(FakeKvSender({"decode": receiver}, max_page_bytes=300).send(KvDestination("decode"), source, [0, 1, 3], KvCommit("r", 42)))
+    asyncio.run(
+        FakeKvSender({"decode": receiver}, max_page_bytes=300).send(
+            KvDestination("decode"), source, [0, 1, 3], KvCommit("r", 42)
+        )
+    )
     assert receiver.status("r") == TransferStatus.DONE
     for (sk, sv), (tk, tv) in zip(source, target):
         assert torch.equal(tk[[5, 2, 7]], sk[[0, 1, 3]]) and torch.equal(tv[[5, 2, 7]], sv[[0, 1, 3]])

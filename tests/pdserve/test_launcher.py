@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.cluster_state.embedded_redis import EmbeddedRedis, free_port
-from pdserve.launcher import ChildSpec, LaunchError, Launcher, LaunchPlan, default_command, threads_per_node
 from pdserve.cluster_state.registry import RegistryView
+from pdserve.launcher import ChildSpec, Launcher, LaunchError, LaunchPlan, default_command, threads_per_node
 from tests.pdserve.cluster_state.test_embedded_redis import pid_alive
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,7 +36,8 @@ print(f"fake {args.role} {args.node_id} num_threads={args.num_threads}", flush=T
 
 async def main():
     capacity = NodeCapacity(num_blocks=8, block_size=16, max_num_seqs=2, max_num_batched_tokens=64)
-    info = NodeInfo(node_id=args.node_id, role=args.role, address=f"{args.host}:{args.port}", model=args.model, capacity=capacity)
+    address = f"{args.host}:{args.port}"
+    info = NodeInfo(node_id=args.node_id, role=args.role, address=address, model=args.model, capacity=capacity)
     registration = NodeRegistration(args.redis_url, info, NodeLoad, interval_s=0.2, ttl_s=1.0)
     await registration.start()
     stop = asyncio.Event()
@@ -119,18 +120,58 @@ def test_plan_rejects_an_empty_disaggregated_cluster():
 
 
 def test_child_specs_and_default_commands():
-    plan = LaunchPlan(model="m", host="0.0.0.0", port=9000, num_prefill=2, num_decode=1, redis_url="redis://r:1/0", node_args=("--kv-cache-gib", "0.5"))
+    plan = LaunchPlan(
+        model="m",
+        host="0.0.0.0",
+        port=9000,
+        num_prefill=2,
+        num_decode=1,
+        redis_url="redis://r:1/0",
+        node_args=("--kv-cache-gib", "0.5"),
+    )
     specs = Launcher(plan).child_specs()
-    assert [(s.name, s.role) for s in specs] == [("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode"), ("gateway", "gateway")]
+    assert [(s.name, s.role) for s in specs] == [
+        ("prefill-0", "prefill"),
+        ("prefill-1", "prefill"),
+        ("decode-0", "decode"),
+        ("gateway", "gateway"),
+    ]
     node_ports = [s.port for s in specs[:3]]
     assert len(set(node_ports)) == 3 and all(s.host == "127.0.0.1" for s in specs[:3])
     assert specs[0].num_threads == threads_per_node(3)
     assert default_command(specs[2]) == [
-        sys.executable, "-m", "pdserve.cli", "decode", "--model", "m", "--host", "127.0.0.1", "--port", str(node_ports[2]),
-        "--redis-url", "redis://r:1/0", "--node-id", "decode-0", "--num-threads", str(threads_per_node(3)), "--kv-cache-gib", "0.5",
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "decode",
+        "--model",
+        "m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(node_ports[2]),
+        "--redis-url",
+        "redis://r:1/0",
+        "--node-id",
+        "decode-0",
+        "--num-threads",
+        str(threads_per_node(3)),
+        "--kv-cache-gib",
+        "0.5",
     ]
     assert default_command(specs[3]) == [
-        sys.executable, "-m", "pdserve.cli", "gateway", "--model", "m", "--host", "0.0.0.0", "--port", "9000", "--redis-url", "redis://r:1/0",
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "gateway",
+        "--model",
+        "m",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9000",
+        "--redis-url",
+        "redis://r:1/0",
     ]
 
 
@@ -226,7 +267,9 @@ def test_run_up_prints_ready_and_stops_cleanly_on_sigterm(fakes, tmp_path):
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, str(tmp_path / "run_up.py"), str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         assert process.stdout.readline() == f"ready on http://127.0.0.1:{port}\n"

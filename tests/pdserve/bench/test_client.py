@@ -17,10 +17,11 @@ def sse(*events) -> bytes:
 
 
 DONE = b"[DONE]"
+HI = (user("hi"),)
 USAGE = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}
 
 
-def send(handler, messages=(user("hi"),), max_tokens=3, **config):
+def send(handler, messages=HI, max_tokens=3, **config):
     """Runs one request through a client whose transport is `handler`; returns (record, text, requests)."""
     requests = []
 
@@ -45,9 +46,14 @@ def stream_of(body: bytes, status: int = 200):
 
 
 def test_completions_stream_records_content_chunks_and_usage():
-    body = sse({"choices": [{"index": 0, "text": "a"}]}, {"choices": [{"index": 0, "text": ""}]},
-               {"choices": [{"index": 0, "text": "b"}]}, {"choices": [{"index": 0, "text": "c", "finish_reason": "length"}]},
-               USAGE, DONE)
+    body = sse(
+        {"choices": [{"index": 0, "text": "a"}]},
+        {"choices": [{"index": 0, "text": ""}]},
+        {"choices": [{"index": 0, "text": "b"}]},
+        {"choices": [{"index": 0, "text": "c", "finish_reason": "length"}]},
+        USAGE,
+        DONE,
+    )
     record, text, requests = send(stream_of(body))
     assert record.succeeded and text == "abc"
     assert len(record.content_times_s) == 3  # the empty chunk carried no content
@@ -56,16 +62,24 @@ def test_completions_stream_records_content_chunks_and_usage():
     (request,) = requests
     assert request.url.path == "/v1/completions"
     assert json.loads(request.content) == {
-        "model": "m", "max_tokens": 3, "temperature": 0.0, "stream": True,
-        "stream_options": {"include_usage": True}, "ignore_eos": True, "prompt": "hi",
+        "model": "m",
+        "max_tokens": 3,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "prompt": "hi",
     }
 
 
 def test_chat_stream_does_not_count_the_role_chunk_as_content():
-    body = sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-               {"choices": [{"index": 0, "delta": {"content": "Hel"}}]},
-               {"choices": [{"index": 0, "delta": {"content": "lo"}}]},
-               {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}, DONE)
+    body = sse(
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "Hel"}}]},
+        {"choices": [{"index": 0, "delta": {"content": "lo"}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        DONE,
+    )
     record, text, requests = send(stream_of(body), endpoint="chat", ignore_eos=False)
     assert record.succeeded and text == "Hello" and len(record.content_times_s) == 2
     assert record.num_output_tokens is None and record.output_tokens == 2  # no usage: chunks stand for tokens
@@ -80,12 +94,18 @@ def test_an_http_error_is_a_failed_request_with_the_openai_message():
     assert not record.succeeded and record.error == "HTTP 429: every node is full"
 
 
-@pytest.mark.parametrize("body, error", [
-    (sse({"choices": [{"index": 0, "text": "a"}]}, {"error": {"message": "node died"}}, DONE), "error event: node died"),
-    (sse({"choices": [{"index": 0, "text": "a"}]}), "stream ended without data: [DONE]"),
-    (sse(USAGE, DONE), "no content streamed"),
-    (b"data: {not json\n\n", "malformed event"),
-])
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        (
+            sse({"choices": [{"index": 0, "text": "a"}]}, {"error": {"message": "node died"}}, DONE),
+            "error event: node died",
+        ),
+        (sse({"choices": [{"index": 0, "text": "a"}]}), "stream ended without data: [DONE]"),
+        (sse(USAGE, DONE), "no content streamed"),
+        (b"data: {not json\n\n", "malformed event"),
+    ],
+)
 def test_broken_streams_are_failed_requests(body, error):
     record, _, _ = send(stream_of(body))
     assert not record.succeeded and record.error.startswith(error)
@@ -118,7 +138,9 @@ def test_the_model_defaults_to_the_first_one_listed():
         return httpx.Response(200, json={"object": "list", "data": [{"id": "first"}, {"id": "second"}]})
 
     async def main():
-        async with StreamingClient(ClientConfig(base_url="http://server"), transport=httpx.MockTransport(handler)) as client:
+        async with StreamingClient(
+            ClientConfig(base_url="http://server"), transport=httpx.MockTransport(handler)
+        ) as client:
             return client.model
 
     assert asyncio.run(main()) == "first"

@@ -67,7 +67,9 @@ def test_goodput_counts_requests_meeting_every_slo():
     assert compute_metrics(records, 2.0, Slo(ttft_ms=300)).goodput == pytest.approx(0.5)
     assert compute_metrics(records, 2.0, Slo(tpot_ms=150)).goodput == pytest.approx(0.5)
     assert compute_metrics(records, 2.0, Slo(ttft_ms=300, tpot_ms=150)).goodput == 0.0
-    assert compute_metrics(records, 2.0, Slo(ttft_ms=500, tpot_ms=201)).goodput == pytest.approx(1.0)  # at most: 500 meets 500
+    assert compute_metrics(records, 2.0, Slo(ttft_ms=500, tpot_ms=201)).goodput == pytest.approx(
+        1.0
+    )  # at most: 500 meets 500
 
 
 def test_a_single_token_request_meets_any_tpot_slo():

@@ -19,8 +19,15 @@ OUTPUT_LEN = 5
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tiny-llama")
@@ -93,21 +100,28 @@ def test_measure_times_naive_on_at_most_naive_max_requests():
         return [[0] * output_len for _ in prompts]
 
     measurements = offline.measure(
-        {"pdserve": runner, "naive": runner}, WordTokenizer(), [1, 8], input_len=10, output_len=4,
+        {"pdserve": runner, "naive": runner},
+        WordTokenizer(),
+        [1, 8],
+        input_len=10,
+        output_len=4,
         naive_max_requests=4,
     )
     assert calls == [2, 2, 1, 1, 8, 4]  # warm-ups, then concurrency 1, then 8
     assert [(m.system, m.concurrency, m.num_requests, m.num_output_tokens) for m in measurements] == [
-        ("pdserve", 1, 1, 4), ("naive", 1, 1, 4), ("pdserve", 8, 8, 32), ("naive", 8, 4, 16),
+        ("pdserve", 1, 1, 4),
+        ("naive", 1, 1, 4),
+        ("pdserve", 8, 8, 32),
+        ("naive", 8, 4, 16),
     ]
 
 
 MEASUREMENTS = [
-    Measurement("pdserve", 1, 1, 64, 2.0),           # 32 tok/s, 31.25 ms/token
-    Measurement("naive", 1, 1, 64, 1.6),             # 40 tok/s, 25 ms/token
-    Measurement("generate_batch", 1, 1, 64, 4.0),    # 16 tok/s
-    Measurement("pdserve", 32, 32, 2048, 4.0),       # 512 tok/s
-    Measurement("naive", 32, 4, 256, 6.4),           # 40 tok/s
+    Measurement("pdserve", 1, 1, 64, 2.0),  # 32 tok/s, 31.25 ms/token
+    Measurement("naive", 1, 1, 64, 1.6),  # 40 tok/s, 25 ms/token
+    Measurement("generate_batch", 1, 1, 64, 4.0),  # 16 tok/s
+    Measurement("pdserve", 32, 32, 2048, 4.0),  # 512 tok/s
+    Measurement("naive", 32, 4, 256, 6.4),  # 40 tok/s
     Measurement("generate_batch", 32, 32, 2048, 8.0),  # 256 tok/s
 ]
 
@@ -122,8 +136,15 @@ def test_ratios():
 def test_format_table():
     lines = offline.format_table(MEASUREMENTS, naive_max_requests=4).splitlines()
     assert lines[0].split() == [
-        "concurrency", "pdserve", "tok/s", "naive", "tok/s", "generate_batch", "tok/s",
-        "pdserve/naive", "pdserve/generate_batch",
+        "concurrency",
+        "pdserve",
+        "tok/s",
+        "naive",
+        "tok/s",
+        "generate_batch",
+        "tok/s",
+        "pdserve/naive",
+        "pdserve/generate_batch",
     ]
     assert lines[1].split() == ["1", "32.0", "40.0", "16.0", "0.80x", "2.00x"]
     assert lines[2].split() == ["32", "512.0", "40.0", "256.0", "12.80x", "2.00x"]

@@ -36,7 +36,8 @@ class FakeClient:
         return RequestRecord(start_s, end_s, (end_s,), max_tokens, 1, error), f"reply {len(self.sent)}"
 
 
-def run(client: FakeClient, load: Load, workload: WorkloadConfig = WorkloadConfig(input_len=4), conversations=None):
+def run(client: FakeClient, load: Load, workload: WorkloadConfig | None = None, conversations=None):
+    workload = workload or WorkloadConfig(input_len=4)
     conversations = conversations if conversations is not None else iter_conversations(workload, load.tag)
     generator = LoadGenerator(client, conversations, load, show_progress=False)
     return asyncio.run(generator.run())
@@ -75,13 +76,13 @@ def test_a_failed_turn_ends_its_conversation_but_is_counted():
 def test_the_budget_can_end_a_conversation_between_turns():
     client = FakeClient()
     workload = WorkloadConfig(kind="multi-turn", num_turns=3, input_len=4)
-    records, _ = run(client, Load(concurrency=1, num_requests=4), workload)
+    run(client, Load(concurrency=1, num_requests=4), workload)
     assert [len(messages) for messages in client.sent] == [1, 3, 5, 1]
 
 
 def test_poisson_arrivals_are_seeded_and_capped_by_concurrency():
     client = FakeClient(latency_s=0.05)
-    records, duration_s = run(client, Load(concurrency=2, request_rate=200.0, num_requests=12))
+    records, _ = run(client, Load(concurrency=2, request_rate=200.0, num_requests=12))
     assert len(records) == 12 and client.max_in_flight <= 2
     again = FakeClient(latency_s=0.05)
     run(again, Load(concurrency=2, request_rate=200.0, num_requests=12))
@@ -90,7 +91,7 @@ def test_poisson_arrivals_are_seeded_and_capped_by_concurrency():
 
 def test_poisson_arrivals_spread_over_time():
     client = FakeClient(latency_s=0.001)
-    records, duration_s = run(client, Load(request_rate=50.0, num_requests=10))
+    records, _ = run(client, Load(request_rate=50.0, num_requests=10))
     gaps = [b - a for a, b in zip(client.send_times_s, client.send_times_s[1:])]
     assert len(records) == 10 and client.max_in_flight <= 3
     assert 0.05 < sum(gaps) < 2.0  # 9 exponential gaps of mean 20 ms
@@ -113,10 +114,16 @@ def test_a_finite_stream_ends_the_level_early():
 
 def test_levels_from_the_command_line():
     sweep = loads_from_args(parse_args(["--concurrency", "1,8,32"]))
-    assert [(load.concurrency, load.num_requests, load.tag) for load in sweep] == [(1, 100, "c1"), (8, 100, "c8"), (32, 100, "c32")]
+    assert [(load.concurrency, load.num_requests, load.tag) for load in sweep] == [
+        (1, 100, "c1"),
+        (8, 100, "c8"),
+        (32, 100, "c32"),
+    ]
     rates = loads_from_args(parse_args(["--request-rate", "0.5,2", "--concurrency", "4", "--duration-s", "30"]))
     assert [(load.request_rate, load.concurrency, load.num_requests, load.duration_s) for load in rates] == [
-        (0.5, 4, None, 30.0), (2.0, 4, None, 30.0)]
+        (0.5, 4, None, 30.0),
+        (2.0, 4, None, 30.0),
+    ]
     assert loads_from_args(parse_args([]))[0].concurrency == 8
     with pytest.raises(ValueError, match="sweep either"):
         loads_from_args(parse_args(["--request-rate", "1", "--concurrency", "1,2"]))

@@ -33,11 +33,30 @@ def base_url(tmp_path_factory):
 
 def test_bench_serve_reports_sane_metrics_and_json(base_url, tmp_path, capsys):
     results_path = tmp_path / "results.json"
-    assert pdserve([
-        "bench", "serve", "--base-url", base_url, "--num-requests", str(NUM_REQUESTS), "--concurrency", "4",
-        "--input-len", "24", "--output-len", str(OUTPUT_LEN), "--json", str(results_path),
-        "--slo-ttft-ms", "60000", "--no-progress",
-    ]) == 0
+    assert (
+        pdserve(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                base_url,
+                "--num-requests",
+                str(NUM_REQUESTS),
+                "--concurrency",
+                "4",
+                "--input-len",
+                "24",
+                "--output-len",
+                str(OUTPUT_LEN),
+                "--json",
+                str(results_path),
+                "--slo-ttft-ms",
+                "60000",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "== concurrency 4:" in printed and "output token throughput (tok/s)" in printed
 
@@ -57,11 +76,31 @@ def test_bench_serve_reports_sane_metrics_and_json(base_url, tmp_path, capsys):
 
 def test_bench_serve_multi_turn_chat_sweep(base_url, tmp_path, capsys):
     results_path = tmp_path / "results.json"
-    pdserve([
-        "bench", "serve", "--base-url", base_url, "--endpoint", "chat", "--workload", "multi-turn",
-        "--num-turns", "2", "--input-len", "8", "--output-len", "4", "--num-requests", "4",
-        "--concurrency", "1,2", "--json", str(results_path), "--no-progress",
-    ])
+    pdserve(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            base_url,
+            "--endpoint",
+            "chat",
+            "--workload",
+            "multi-turn",
+            "--num-turns",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "1,2",
+            "--json",
+            str(results_path),
+            "--no-progress",
+        ]
+    )
     assert "sweep (latencies in ms)" in capsys.readouterr().out
     levels = json.loads(results_path.read_text())["levels"]
     assert [level["load"]["concurrency"] for level in levels] == [1, 2]
@@ -76,11 +115,31 @@ def test_bench_serve_multi_turn_chat_sweep(base_url, tmp_path, capsys):
 def test_bench_serve_plots_a_sweep(base_url, tmp_path):
     pytest.importorskip("matplotlib")
     plot_dir = tmp_path / "plots"
-    pdserve([
-        "bench", "serve", "--base-url", base_url, "--num-requests", "2", "--concurrency", "1,2",
-        "--input-len", "8", "--output-len", "4", "--plot", str(plot_dir), "--no-progress",
-    ])
+    pdserve(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            base_url,
+            "--num-requests",
+            "2",
+            "--concurrency",
+            "1,2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--plot",
+            str(plot_dir),
+            "--no-progress",
+        ]
+    )
     assert sorted(p.name for p in plot_dir.iterdir()) == [
-        "cdf_e2e.png", "cdf_itl.png", "cdf_tpot.png", "cdf_ttft.png", "sweep_throughput.png", "sweep_ttft.png",
+        "cdf_e2e.png",
+        "cdf_itl.png",
+        "cdf_tpot.png",
+        "cdf_ttft.png",
+        "sweep_throughput.png",
+        "sweep_ttft.png",
     ]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in plot_dir.iterdir())

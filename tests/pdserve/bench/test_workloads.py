@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from itertools import islice
+from itertools import islice, pairwise
 
 import pytest
 
@@ -55,7 +55,9 @@ def test_shared_prefix_requests_share_their_system_prompt_and_differ_after_it():
     # Through the completions endpoint the system prompt is a prefix of the whole prompt.
     first, same = 0, system_prompts.index(system_prompts[0], 1)
     prompts = [completion_prompt(turn_messages(c, 0, [])) for c in conversations]
-    assert prompts[first].startswith(system_prompts[0] + "\n\n") and prompts[same].startswith(system_prompts[0] + "\n\n")
+    assert prompts[first].startswith(system_prompts[0] + "\n\n") and prompts[same].startswith(
+        system_prompts[0] + "\n\n"
+    )
     assert prompts[first] != prompts[same]
 
 
@@ -67,7 +69,7 @@ def test_multi_turn_prompts_grow_and_hold_every_earlier_turn_and_reply():
     turns = [turn_messages(conversation, i, replies[:i]) for i in range(3)]
     assert [len(messages) for messages in turns] == [1, 3, 5]
     assert [m["role"] for m in turns[2]] == ["user", "assistant", "user", "assistant", "user"]
-    for earlier, later in zip(turns, turns[1:]):
+    for earlier, later in pairwise(turns):
         assert later[: len(earlier)] == earlier
     assert turns[2][1]["content"] == "first reply" and turns[2][3]["content"] == "second reply"
     assert len({m["content"] for m in turns[2] if m["role"] == "user"}) == 3
@@ -95,13 +97,16 @@ def test_jsonl_prompts_messages_and_max_tokens(tmp_path):
     assert conversations[3].turns == conversations[0].turns and conversations[3].conversation_id == 3
 
 
-@pytest.mark.parametrize("line, message", [
-    ("not json", "requests.jsonl:2: not JSON"),
-    ('{"text": "x"}', 'either "prompt" or "messages"'),
-    ('{"prompt": "x", "messages": []}', 'either "prompt" or "messages"'),
-    ('{"prompt": "x", "max_tokens": 0}', "max_tokens must be a positive integer"),
-    ('{"messages": [{"content": "x"}]}', '"messages" must be a non-empty list'),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("not json", "requests.jsonl:2: not JSON"),
+        ('{"text": "x"}', 'either "prompt" or "messages"'),
+        ('{"prompt": "x", "messages": []}', 'either "prompt" or "messages"'),
+        ('{"prompt": "x", "max_tokens": 0}', "max_tokens must be a positive integer"),
+        ('{"messages": [{"content": "x"}]}', '"messages" must be a non-empty list'),
+    ],
+)
 def test_jsonl_errors_name_the_line(tmp_path, line, message):
     dataset = tmp_path / "requests.jsonl"
     dataset.write_text('{"prompt": "fine"}\n' + line + "\n")
@@ -114,12 +119,15 @@ def test_token_ids_cannot_be_joined_with_other_messages():
         completion_prompt([{"role": "system", "content": "x"}, {"role": "user", "content": [1, 2]}])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"kind": "sharegpt"}, "unknown workload"),
-    ({"range_ratio": 1.0}, "range_ratio"),
-    ({"input_len": 0}, "input_len"),
-    ({"kind": "jsonl"}, "--dataset"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"kind": "sharegpt"}, "unknown workload"),
+        ({"range_ratio": 1.0}, "range_ratio"),
+        ({"input_len": 0}, "input_len"),
+        ({"kind": "jsonl"}, "--dataset"),
+    ],
+)
 def test_bad_configs_say_how_to_fix_them(overrides, message):
     with pytest.raises(ValueError, match=message):
         WorkloadConfig(**overrides)

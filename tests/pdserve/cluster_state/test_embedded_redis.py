@@ -65,4 +65,4 @@ def test_two_servers_get_separate_ports():
 
 def test_url_before_start_raises():
     with pytest.raises(RuntimeError, match="not started"):
-        EmbeddedRedis().url
+        _ = EmbeddedRedis().url

@@ -161,14 +161,19 @@ def test_publisher_survives_redis_down_and_rebuilds_when_it_returns():
         asyncio.run(body(server))
 
 
-HASH_SCRIPT = "from pdserve.engine.block_hash import hash_token_blocks; print(b''.join(hash_token_blocks(list(range(100)), 16, 'm')).hex())"
+HASH_SCRIPT = (
+    "from pdserve.engine.block_hash import hash_token_blocks; "
+    "print(b''.join(hash_token_blocks(list(range(100)), 16, 'm')).hex())"
+)
 
 
 def test_block_hashes_are_identical_across_processes_with_different_hash_seeds():
     outputs = set()
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        result = subprocess.run([sys.executable, "-c", HASH_SCRIPT], env=env, capture_output=True, text=True, check=True)
+        result = subprocess.run(
+            [sys.executable, "-c", HASH_SCRIPT], env=env, capture_output=True, text=True, check=True
+        )
         outputs.add(result.stdout.strip())
     assert len(outputs) == 1
     assert outputs == {b"".join(hash_token_blocks(list(range(100)), 16, "m")).hex()}

@@ -65,7 +65,10 @@ def test_incremental_hashing_equals_full_hashing():
     assert hash_token_blocks(tokens, BLOCK_SIZE, parent_hashes=prefix) == full
     # Known hashes are trusted, not recomputed: only the blocks after them are hashed.
     fake = [b"x" * 16]
-    assert hash_token_blocks(tokens[:8], BLOCK_SIZE, parent_hashes=fake) == [b"x" * 16, hash_block_tokens(b"x" * 16, tokens[4:8])]
+    assert hash_token_blocks(tokens[:8], BLOCK_SIZE, parent_hashes=fake) == [
+        b"x" * 16,
+        hash_block_tokens(b"x" * 16, tokens[4:8]),
+    ]
     # The caller's list is not mutated.
     assert len(prefix) == 2
 
@@ -93,7 +96,11 @@ def test_same_hashes_in_processes_with_different_hash_seeds():
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         result = subprocess.run(
-            [sys.executable, "-c", HASH_IN_SUBPROCESS, str(module_path)], env=env, capture_output=True, text=True, check=True
+            [sys.executable, "-c", HASH_IN_SUBPROCESS, str(module_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         outputs.append(result.stdout.split()[-1])
     expected = ",".join(h.hex() for h in hash_token_blocks(list(range(1000, 1013)), 4, "m"))

@@ -28,7 +28,9 @@ def engine():
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
@@ -39,9 +41,11 @@ def test_alias_resolves_to_cached_safetensors_folder():
 
 
 def test_eight_prompts_batched_match_transformers(engine):
-    prompts = [chat_ids(pdserve.engine.tokenizer, q) for q in QUESTIONS[:4]] + [engine.tokenizer(q)["input_ids"] for q in QUESTIONS[4:]]
+    prompts = [chat_ids(engine.tokenizer, q) for q in QUESTIONS[:4]] + [
+        engine.tokenizer(q)["input_ids"] for q in QUESTIONS[4:]
+    ]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))
-    reference = load_reference(pdserve.engine.model_path)
+    reference = load_reference(engine.model_path)
     for prompt, out in zip(prompts, outputs):
         ref_tokens, ref_logits = reference_greedy(reference, prompt, 32)
         assert_greedy_equal(out.token_ids, ref_tokens, ref_logits)
@@ -49,9 +53,9 @@ def test_eight_prompts_batched_match_transformers(engine):
 
 
 def test_seeded_sampling_is_reproducible(engine):
-    prompt = chat_ids(pdserve.engine.tokenizer, "Tell me a story.")
+    prompt = chat_ids(engine.tokenizer, "Tell me a story.")
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=1234)
     first = engine.generate([prompt], params)[0].token_ids
     # Same seed, different batch company: the same tokens.
-    batch = engine.generate([chat_ids(pdserve.engine.tokenizer, "Hi"), prompt], [SamplingParams(max_tokens=4), params])
+    batch = engine.generate([chat_ids(engine.tokenizer, "Hi"), prompt], [SamplingParams(max_tokens=4), params])
     assert batch[1].token_ids == first

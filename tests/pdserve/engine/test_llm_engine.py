@@ -27,7 +27,9 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(TINY_VOCAB) for _ in range(length)]
 
 
-def run_staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, every: int = 2) -> dict[str, list[int]]:
+def run_staggered(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, every: int = 2
+) -> dict[str, list[int]]:
     """Adds one prompt every `every` steps while the engine runs; returns id -> output tokens."""
     pending = [(f"req-{i}", p) for i, p in enumerate(prompts)]
     tokens: dict[str, list[int]] = {rid: [] for rid, _ in pending}
@@ -75,7 +77,9 @@ def test_prefix_cache_hits_keep_output_identical(tiny_model):
     rest = engine.generate(prompts[1:] + prompts[:1], GREEDY)  # shared prefix, then an identical prompt
     assert [r.num_cached_tokens for r in rest] == [48, 48, 48]
     assert rest[-1].token_ids == first[0].token_ids
-    assert_matches_reference(reference, prompts, [first[0].token_ids] + [r.token_ids for r in rest[:2]], GREEDY.max_tokens)
+    assert_matches_reference(
+        reference, prompts, [first[0].token_ids] + [r.token_ids for r in rest[:2]], GREEDY.max_tokens
+    )
 
 
 def test_fully_cached_prompt_recomputes_its_last_block(tiny_model):

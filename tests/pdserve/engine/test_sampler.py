@@ -22,7 +22,9 @@ def spread_logits(seed: int = 0, scale: float = 0.5) -> torch.Tensor:
     return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-def draw_many(logits_row: torch.Tensor, params: SamplingParams, num_rows: int = 500, num_calls: int = 4) -> torch.Tensor:
+def draw_many(
+    logits_row: torch.Tensor, params: SamplingParams, num_rows: int = 500, num_calls: int = 4
+) -> torch.Tensor:
     """num_rows * num_calls draws of one distribution: a batch of rows, each with its own generator."""
     sampler = Sampler()
     logits = logits_row.expand(num_rows, -1).clone()
@@ -44,7 +46,9 @@ def test_greedy_takes_the_argmax_and_leaves_the_generator_alone():
 def test_greedy_and_random_rows_mix_in_one_batch():
     logits = torch.stack([spread_logits(1), spread_logits(2)])
     logits[0, 7] = 100.0
-    out = Sampler()(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)], generators(0, 1))
+    out = Sampler()(
+        logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)], generators(0, 1)
+    )
     assert out.token_ids == [7, int(logits[1].argmax())]
 
 
@@ -95,7 +99,12 @@ def test_top_p_never_draws_outside_the_nucleus():
 
 def test_apply_top_k_top_p_masks_exactly_per_row():
     logits = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3]] * 4))
-    params = [SamplingParams(top_k=3), SamplingParams(top_p=0.65), SamplingParams(top_k=3, top_p=0.35), SamplingParams(top_k=-1)]
+    params = [
+        SamplingParams(top_k=3),
+        SamplingParams(top_p=0.65),
+        SamplingParams(top_k=3, top_p=0.35),
+        SamplingParams(top_k=-1),
+    ]
     kept = torch.isfinite(apply_top_k_top_p(logits, params))
     assert kept.tolist() == [
         [False, True, True, True],  # the three largest
