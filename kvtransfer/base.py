@@ -254,15 +254,14 @@ class KvStream(ABC):
 
 
 class KvSender(ABC):
-    """Pushes a request's pages to a decode node, then commits the first token."""
+    """Opens one `KvStream` per request to a decode node: its pages go out layer by layer, then
+    the commit with the first token."""
 
     @abstractmethod
     def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> KvStream:
-        """A layer-wise push, opened before the prefill forward pass runs (on the event loop)."""
+        """A layer-wise push, opened before the prefill forward pass runs (on the event loop);
+        raises TransferError if the destination cannot be reached this way."""
 
     @abstractmethod
-    async def send(self, destination: KvDestination, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
-        """Returns when the receiver accepted every page and the commit; raises TransferError."""
-
     async def close(self) -> None:
-        """Releases channels and mappings."""
+        """Releases the transport's channels and mappings."""

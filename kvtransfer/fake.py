@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvtransfer.base import KvCommit, KvDestination, KvReceiver, KvSender, KvStream, iter_pages
+from kvtransfer.base import KvCommit, KvDestination, KvReceiver, KvSender, KvStream, TransferError, iter_pages
 
 
 class FakeKvSender(KvSender):
@@ -15,15 +15,11 @@ class FakeKvSender(KvSender):
         self.max_page_bytes = max_page_bytes
         self.num_pages_sent = 0
 
-    async def send(self, destination: KvDestination, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
-        receiver = self.receivers[destination.address]
-        for page in iter_pages(kv_caches, commit.request_id, block_ids, self.max_page_bytes):
-            receiver.receive_page(page)
-            self.num_pages_sent += 1
-        receiver.commit(commit)
-
     def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> FakeKvStream:
         return FakeKvStream(self, self.receivers[destination.address], kv_caches, request_id)
+
+    async def close(self) -> None:
+        pass  # no channels or mappings
 
 
 class FakeKvStream(KvStream):
@@ -32,18 +28,19 @@ class FakeKvStream(KvStream):
     def __init__(self, sender: FakeKvSender, receiver: KvReceiver, kv_caches, request_id: str) -> None:
         self.sender, self.receiver, self.kv_caches, self.request_id = sender, receiver, kv_caches, request_id
         self.loop = asyncio.get_running_loop()
-        self.layers_sent: list[int] = []
 
     def send_layer(self, layer: int, block_ids: list[int]) -> None:
         pages = list(
             iter_pages(self.kv_caches, self.request_id, block_ids, self.sender.max_page_bytes, range(layer, layer + 1))
         )
-        self.layers_sent.append(layer)
         self.loop.call_soon_threadsafe(self._deliver, pages)
 
     def _deliver(self, pages) -> None:
         for page in pages:
-            self.receiver.receive_page(page)
+            try:
+                self.receiver.receive_page(page)
+            except TransferError:  # the receiver failed the transfer (or knows no such request): commit says so
+                return
             self.sender.num_pages_sent += 1
 
     async def commit(self, commit: KvCommit) -> None:

@@ -1,8 +1,8 @@
 """KV transfer over a gRPC client stream: raw page bytes, at most 4 MiB per message.
 
-The prefill node opens `PushKv` streams to the decode node's KvTransferService, sends every
-page, then a commit; the decode node's servicer feeds each message to its KvReceiver and
-answers once, with ok or the first error. Page messages are encoded and decoded by
+The prefill node opens one `PushKv` stream per request to the decode node's KvTransferService,
+sends each layer's pages as it is computed, then a commit; the decode node's servicer feeds each
+message to its KvReceiver and answers once, with ok or the first error. Page messages are encoded and decoded by
 `page_codec` (one copy of the bytes per side), not by the generated stubs.
 """
 
@@ -23,7 +23,6 @@ from kvtransfer.page_codec import (
 )
 from protos import kv_transfer_pb2
 
-NUM_PARALLEL_STREAMS = 2
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 8 << 20),
     ("grpc.max_receive_message_length", 8 << 20),
@@ -43,18 +42,6 @@ class GrpcKvSender(KvSender):
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
-
-    async def send(self, destination: KvDestination, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
-        # Two streams (even and odd layers) keep sender, wire and receiver busy at once; the
-        # commit follows when both are in.
-        layer_sets = [range(start, len(kv_caches), NUM_PARALLEL_STREAMS) for start in range(NUM_PARALLEL_STREAMS)]
-        await asyncio.gather(
-            *(
-                self._push(destination.address, self._pages(kv_caches, block_ids, commit.request_id, layers))
-                for layers in layer_sets
-            )
-        )
-        await self.commit(destination, commit)
 
     def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> GrpcKvStream:
         return GrpcKvStream(self, destination, kv_caches, request_id)
@@ -87,11 +74,6 @@ class GrpcKvSender(KvSender):
         if not response.ok:
             raise TransferError(response.error)
 
-    @staticmethod
-    async def _pages(kv_caches, block_ids, request_id: str, layers: range):
-        for pages in batch_pages(iter_pages(kv_caches, request_id, block_ids, layers=layers)):
-            yield encode_pages(pages)
-
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
             self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
@@ -119,7 +101,9 @@ class GrpcKvStream(KvStream):
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (messages, False))
 
     async def commit(self, commit: KvCommit) -> None:
-        self.queue.put_nowait(([encode_commit(commit)], True))
+        # Through the loop's callback queue, so that the commit goes after the pages that
+        # send_layer has queued the same way, even when both are called on the loop's thread.
+        self.loop.call_soon(self.queue.put_nowait, ([encode_commit(commit)], True))
         await self.call
 
     def cancel(self) -> None:

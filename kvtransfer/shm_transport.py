@@ -22,12 +22,11 @@ from kvtransfer.base import (
     KvSender,
     KvStream,
     TransferError,
-    contiguous_runs,
     copy_blocks,
     dtype_name,
 )
 from kvtransfer.grpc_transport import GrpcKvSender
-from pdserve.engine.kv_cache import kv_caches_over, stacked_view
+from pdserve.engine.kv_cache import kv_caches_over
 
 logger = logging.getLogger(__name__)
 
@@ -111,39 +110,12 @@ class ShmKvSender(KvSender):
             and destination.kv_layout == kv_layout(kv_caches)
         )
 
-    async def send(self, destination: KvDestination, kv_caches, block_ids: list[int], commit: KvCommit) -> None:
-        if not self.can_share(destination, kv_caches):
-            if self.require:
-                raise TransferError(f"decode node {destination.address} offers no shared-memory KV cache on this host")
-            await self.grpc_sender.send(destination, kv_caches, block_ids, commit)
-            return
-        if len(destination.block_ids) != len(block_ids):
-            raise TransferError(f"{len(block_ids)} blocks to send, {len(destination.block_ids)} reserved")
-        self.copy_pages(destination, kv_caches, block_ids)
-        await self.grpc_sender.commit(
-            destination, KvCommit(commit.request_id, commit.first_token_id, commit.first_logprob, True)
-        )
-
     def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> KvStream:
         if self.can_share(destination, kv_caches):
             return ShmKvStream(self, destination, kv_caches)
         if self.require:
             raise TransferError(f"decode node {destination.address} offers no shared-memory KV cache on this host")
         return self.grpc_sender.open_stream(destination, kv_caches, request_id)
-
-    def copy_pages(
-        self, destination: KvDestination, kv_caches, block_ids: list[int], layers: range | None = None
-    ) -> None:
-        target = self._attach(destination)
-        source_all, target_all = stacked_view(kv_caches), stacked_view(target)
-        if layers is None and source_all is not None and target_all is not None:
-            # Every layer and kind of a block run in one strided copy (parallel, near memcpy speed).
-            for s, t, n in contiguous_runs(block_ids, destination.block_ids):
-                target_all[:, :, t : t + n].copy_(source_all[:, :, s : s + n])
-            return
-        for layer in layers if layers is not None else range(len(kv_caches)):
-            for kind in (0, 1):
-                copy_blocks(kv_caches[layer][kind], target[layer][kind], block_ids, destination.block_ids)
 
     def _attach(self, destination: KvDestination):
         """Maps the decode node's segment (once per segment; cheap afterwards)."""
@@ -166,12 +138,19 @@ class ShmKvStream(KvStream):
         self.sender = sender
         self.destination = destination
         self.kv_caches = kv_caches
-        sender._attach(destination)  # map on the event loop, not between two layers
+        self.target = sender._attach(destination)  # map on the event loop, not between two layers
+        self.error = ""  # the receiver cannot count pages written in place: a bad layer fails the commit here
 
     def send_layer(self, layer: int, block_ids: list[int]) -> None:
-        self.sender.copy_pages(self.destination, self.kv_caches, block_ids, layers=range(layer, layer + 1))
+        if len(block_ids) != len(self.destination.block_ids):
+            self.error = f"layer {layer}: {len(block_ids)} blocks to send, {len(self.destination.block_ids)} reserved"
+            raise TransferError(self.error)
+        for kind in (0, 1):  # one slice copy per run of consecutive blocks
+            copy_blocks(self.kv_caches[layer][kind], self.target[layer][kind], block_ids, self.destination.block_ids)
 
     async def commit(self, commit: KvCommit) -> None:
+        if self.error:
+            raise TransferError(self.error)
         shared_commit = KvCommit(commit.request_id, commit.first_token_id, commit.first_logprob, True)
         await self.sender.grpc_sender.commit(self.destination, shared_commit)
 

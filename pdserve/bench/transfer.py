@@ -2,8 +2,9 @@
 
 One request's pages in the default model's layout (30 layers, 16-token blocks, 3 KV heads of
 64, float32) go from a sender in this process to a receiver in another process, through each
-transport in turn; effective bandwidth = page bytes / wall time from first byte to the
-receiver's commit answer. Each figure is the best of `--repeats` (bandwidth on a shared
+transport in turn and the way a prefill node sends them (open a stream, send every layer from
+a worker thread, commit); effective bandwidth = page bytes / wall time from opening the stream
+to the receiver's commit answer. Each figure is the best of `--repeats` (bandwidth on a shared
 machine is noisy downwards only). The paths take turns, each after the same pause, and the
 memcpy they are compared with is timed the same way: copies run back to back stay in the
 last-level cache (260 MiB on the reference machine) and run about twice as fast as any
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 import grpc
 import torch
 
-from kvtransfer.base import KvCommit, KvDestination, KvReceiver
+from kvtransfer.base import KvCommit, KvDestination, KvReceiver, KvSender
 from kvtransfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvTransferServicer
 from kvtransfer.shm_transport import SharedKvCache, ShmKvSender, host_id
 from pdserve.engine.kv_cache import allocate_kv_caches
@@ -97,6 +98,19 @@ def hot_memcpy_gbps(nbytes: int, repeats: int) -> float:
     return nbytes / best / 1e9
 
 
+async def push_every_layer(sender: KvSender, destination: KvDestination, kv_caches, block_ids, commit: KvCommit):
+    """One request's push as a prefill node does it: the stream opens on the event loop, every
+    layer is sent from another thread (the engine's, there), and the commit follows."""
+    stream = sender.open_stream(destination, kv_caches, commit.request_id)
+
+    def send_every_layer() -> None:
+        for layer in range(len(kv_caches)):
+            stream.send_layer(layer, block_ids)
+
+    await asyncio.to_thread(send_every_layer)
+    await stream.commit(commit)
+
+
 async def measure_paths(
     senders: dict, kv_caches, block_ids, nbytes: int, repeats: int, pause_s: float
 ) -> dict[str, float]:
@@ -107,8 +121,8 @@ async def measure_paths(
     async def memcpy(tag: str) -> None:
         target.copy_(source)
 
-    def push(sender, destination):
-        return lambda tag: sender.send(destination, kv_caches, block_ids, KvCommit(tag, 1))
+    def push(sender: KvSender, destination: KvDestination):
+        return lambda tag: push_every_layer(sender, destination, kv_caches, block_ids, KvCommit(tag, 1))
 
     paths = {
         "memcpy": memcpy,

@@ -14,6 +14,7 @@ from kvtransfer.base import (
     KvDestination,
     KvPage,
     KvReceiver,
+    KvSender,
     TransferError,
     TransferStatus,
     iter_pages,
@@ -38,19 +39,44 @@ def page(request_id="r", layer=0, kind=KEY, block_index=0, num_blocks=1, dtype="
     return KvPage(request_id, layer, kind, block_index, num_blocks, dtype, bytes(nbytes))
 
 
+async def push_every_layer(sender: KvSender, destination: KvDestination, source, block_ids, commit: KvCommit) -> None:
+    """What a prefill node does: open the stream, send each layer's pages, commit; a layer is
+    sent from a worker thread, as the engine thread sends it between two layers."""
+    stream = sender.open_stream(destination, source, commit.request_id)
+    for layer in range(len(source)):
+        await asyncio.to_thread(stream.send_layer, layer, block_ids)
+    await stream.commit(commit)
+
+
+def assert_copied(source, target, source_ids, target_ids):
+    for (sk, sv), (tk, tv) in zip(source, target):
+        assert torch.equal(tk[target_ids], sk[source_ids]) and torch.equal(tv[target_ids], sv[source_ids])
+
+
 def test_pages_land_in_the_reserved_blocks_and_commit_completes():
     source, target = caches(fill=1.0), caches()
     receiver = KvReceiver(target)
     receiver.reserve("r", [5, 2, 7])
-    asyncio.run(
-        FakeKvSender({"decode": receiver}, max_page_bytes=300).send(
-            KvDestination("decode"), source, [0, 1, 3], KvCommit("r", 42)
-        )
-    )
+    sender = FakeKvSender({"decode": receiver}, max_page_bytes=300)  # 256-byte blocks: one per page
+    asyncio.run(push_every_layer(sender, KvDestination("decode"), source, [0, 1, 3], KvCommit("r", 42)))
     assert receiver.status("r") == TransferStatus.DONE
-    for (sk, sv), (tk, tv) in zip(source, target):
-        assert torch.equal(tk[[5, 2, 7]], sk[[0, 1, 3]]) and torch.equal(tv[[5, 2, 7]], sv[[0, 1, 3]])
+    assert sender.num_pages_sent == NUM_LAYERS * 2 * 3
+    assert_copied(source, target, [0, 1, 3], [5, 2, 7])
     assert asyncio.run(receiver.wait("r", 1.0)).first_token_id == 42
+
+
+def test_a_stream_missing_a_layer_fails_its_commit():
+    receiver = KvReceiver(caches())
+    receiver.reserve("r", [0, 1])
+
+    async def main():
+        stream = FakeKvSender({"decode": receiver}).open_stream(KvDestination("decode"), caches(fill=1.0), "r")
+        stream.send_layer(0, [0, 1])
+        with pytest.raises(TransferError, match="commit after 4 of 8"):
+            await stream.commit(KvCommit("r", 1))
+
+    asyncio.run(main())
+    assert receiver.status("r") == TransferStatus.FAILED
 
 
 def test_pages_respect_the_message_size_limit():

@@ -1,4 +1,5 @@
-"""The gRPC page stream and the shared-memory transport, end to end in one process."""
+"""The gRPC page stream and the shared-memory transport, end to end in one process, through the
+path a prefill node takes: open_stream, send_layer per layer, commit."""
 
 from __future__ import annotations
 
@@ -6,12 +7,11 @@ import asyncio
 
 import grpc
 import pytest
-import torch
 
 from kvtransfer.base import KvCommit, KvDestination, KvReceiver, TransferError, TransferStatus
-from kvtransfer.grpc_transport import GrpcKvSender, KvTransferServicer
+from kvtransfer.grpc_transport import GrpcKvSender, GrpcKvStream, KvTransferServicer
 from kvtransfer.shm_transport import SharedKvCache, ShmKvSender, host_id, kv_layout
-from tests.kvtransfer.test_receiver import caches
+from tests.kvtransfer.test_receiver import assert_copied, caches, push_every_layer
 
 
 async def serve_receiver(receiver: KvReceiver) -> tuple[grpc.aio.Server, str]:
@@ -20,11 +20,6 @@ async def serve_receiver(receiver: KvReceiver) -> tuple[grpc.aio.Server, str]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
-
-
-def assert_copied(source, target, source_ids, target_ids):
-    for (sk, sv), (tk, tv) in zip(source, target):
-        assert torch.equal(tk[target_ids], sk[source_ids]) and torch.equal(tv[target_ids], sv[source_ids])
 
 
 def test_grpc_stream_delivers_every_page():
@@ -36,10 +31,11 @@ def test_grpc_stream_delivers_every_page():
         sender = GrpcKvSender()
         try:
             receiver.reserve("r", [4, 6])
-            await sender.send(KvDestination(address), source, [1, 2], KvCommit("r", 9))
+            await push_every_layer(sender, KvDestination(address), source, [1, 2], KvCommit("r", 9))
             assert receiver.status("r") == TransferStatus.DONE
+            assert (await receiver.wait("r", 1.0)).first_token_id == 9
             with pytest.raises(TransferError, match="unknown request"):
-                await sender.send(KvDestination(address), source, [1], KvCommit("nobody", 9))
+                await push_every_layer(sender, KvDestination(address), source, [1], KvCommit("nobody", 9))
         finally:
             await sender.close()
             await server.stop(0)
@@ -48,32 +44,118 @@ def test_grpc_stream_delivers_every_page():
     assert_copied(source, target, [1, 2], [4, 6])
 
 
-def test_shared_memory_writes_pages_in_place_and_commits_over_grpc():
-    source = caches(fill=1.0)
-    k = source[0][0]
-    shared = SharedKvCache(len(source), *k.shape, k.dtype)
-
+def test_grpc_stream_missing_a_layer_fails_and_a_cancelled_one_commits_nothing():
     async def main():
-        receiver = KvReceiver(shared.kv_caches, in_shared_memory=True)
+        receiver = KvReceiver(caches())
         server, address = await serve_receiver(receiver)
-        sender = ShmKvSender(require=True)
+        sender = GrpcKvSender()
         try:
-            receiver.reserve("r", [7, 3, 5])
-            destination = KvDestination(address, (7, 3, 5), shared.name, host_id(), shared.layout)
-            assert shared.layout == kv_layout(source)
-            await sender.send(destination, source, [0, 1, 2], KvCommit("r", 11))
-            assert (await receiver.wait("r", 1.0)).first_token_id == 11
-            with pytest.raises(TransferError, match="no shared-memory"):
-                await sender.send(KvDestination(address), source, [0], KvCommit("x", 1))
+            receiver.reserve("short", [0])
+            stream = sender.open_stream(KvDestination(address), caches(fill=1.0), "short")
+            stream.send_layer(0, [3])
+            with pytest.raises(TransferError, match="commit after 2 of 4"):
+                await stream.commit(KvCommit("short", 1))
+            assert receiver.status("short") == TransferStatus.FAILED
+
+            receiver.reserve("dropped", [1])
+            stream = sender.open_stream(KvDestination(address), caches(fill=1.0), "dropped")
+            stream.send_layer(0, [3])
+            stream.cancel()
+            await asyncio.sleep(0.05)
+            assert receiver.status("dropped") < TransferStatus.DONE  # the decode node frees it on its own
         finally:
             await sender.close()
             await server.stop(0)
 
-    try:
-        asyncio.run(main())
-        assert_copied(source, shared.kv_caches, [0, 1, 2], [7, 3, 5])
-    finally:
-        shared.unlink()
+    asyncio.run(main())
+
+
+def test_grpc_stream_to_a_dead_address_fails_its_commit():
+    async def main():
+        server, address = await serve_receiver(KvReceiver(caches()))
+        await server.stop(0)
+        sender = GrpcKvSender()
+        try:
+            with pytest.raises(TransferError, match=f"push to {address} failed"):
+                await push_every_layer(sender, KvDestination(address), caches(fill=1.0), [0], KvCommit("r", 1))
+        finally:
+            await sender.close()
+
+    asyncio.run(main())
+
+
+@pytest.fixture
+def shared_cache():
+    k = caches()[0][0]
+    shared = SharedKvCache(len(caches()), *k.shape, k.dtype)
+    yield shared
+    shared.unlink()
+
+
+def test_shared_memory_writes_pages_in_place_and_commits_over_grpc(shared_cache):
+    source = caches(fill=1.0)
+
+    async def main():
+        receiver = KvReceiver(shared_cache.kv_caches, in_shared_memory=True)
+        server, address = await serve_receiver(receiver)
+        sender = ShmKvSender(require=True)
+        try:
+            receiver.reserve("r", [7, 3, 5])
+            destination = KvDestination(address, (7, 3, 5), shared_cache.name, host_id(), shared_cache.layout)
+            assert shared_cache.layout == kv_layout(source)
+            await push_every_layer(sender, destination, source, [0, 1, 2], KvCommit("r", 11))
+            assert (await receiver.wait("r", 1.0)).first_token_id == 11
+            assert receiver.num_bytes_received == 0  # no page crossed gRPC
+            with pytest.raises(TransferError, match="no shared-memory"):
+                sender.open_stream(KvDestination(address), source, "x")
+        finally:
+            await sender.close()
+            await server.stop(0)
+
+    asyncio.run(main())
+    assert_copied(source, shared_cache.kv_caches, [0, 1, 2], [7, 3, 5])
+
+
+def test_shared_memory_refuses_blocks_that_do_not_match_the_reservation(shared_cache):
+    async def main():
+        receiver = KvReceiver(shared_cache.kv_caches, in_shared_memory=True)
+        server, address = await serve_receiver(receiver)
+        sender = ShmKvSender(require=True)
+        try:
+            receiver.reserve("r", [7, 3])
+            destination = KvDestination(address, (7, 3), shared_cache.name, host_id(), shared_cache.layout)
+            stream = sender.open_stream(destination, caches(fill=1.0), "r")
+            with pytest.raises(TransferError, match="3 blocks to send, 2 reserved"):
+                stream.send_layer(0, [0, 1, 2])
+            with pytest.raises(TransferError, match="3 blocks to send, 2 reserved"):
+                await stream.commit(KvCommit("r", 1))
+            assert receiver.status("r") == TransferStatus.PENDING  # the commit never reached it
+        finally:
+            await sender.close()
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_shared_memory_sender_falls_back_to_the_grpc_stream_on_another_host(shared_cache):
+    source, target = caches(fill=1.0), caches()
+
+    async def main():
+        receiver = KvReceiver(target)
+        server, address = await serve_receiver(receiver)
+        sender = ShmKvSender()
+        try:
+            receiver.reserve("r", [2, 0])
+            elsewhere = KvDestination(address, (2, 0), shared_cache.name, "another-host", shared_cache.layout)
+            assert isinstance(sender.open_stream(elsewhere, source, "probe"), GrpcKvStream)
+            await push_every_layer(sender, elsewhere, source, [5, 6], KvCommit("r", 3))
+            assert receiver.status("r") == TransferStatus.DONE
+        finally:
+            await sender.close()
+            await server.stop(0)
+
+    asyncio.run(main())
+    assert_copied(source, target, [5, 6], [2, 0])
 
 
 def test_shared_memory_commit_is_refused_by_a_private_cache():
