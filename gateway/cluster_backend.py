@@ -9,14 +9,15 @@ Lifecycle of one request (disaggregated):
      as soon as it is sampled and is streamed to the client at once;
   3. if it did not end the request, relay the decode node's token chunks until the last.
 With colocated nodes (no prefill/decode split) step 2 is skipped: the node computes the
-prompt itself. A node that refuses or fails before any token was sent is routed around.
+prompt itself. A node that refuses or fails before any token was sent is routed around: the call
+that failed names its node (`NodeCallError`), and only that node is left out of the next attempt.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 from prometheus_client import Counter
@@ -45,6 +46,28 @@ STATUS_TO_KIND = {
 }
 
 
+class NodeCallError(Exception):
+    """A gRPC call to one node failed: `node` is the node whose call raised, `error` what it raised."""
+
+    def __init__(self, node: NodeInfo, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(f"{node.role} node {node.node_id}: {error.code().name.lower()}: {error.details()}")
+        self.node = node
+        self.error = error
+
+    @property
+    def retryable(self) -> bool:
+        return self.error.code() in RETRYABLE
+
+
+@contextlib.contextmanager
+def calling(node: NodeInfo) -> Iterator[None]:
+    """Names the node in what a call to it raises (the router then avoids only that node)."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as error:
+        raise NodeCallError(node, error) from error
+
+
 class ClusterBackend:
     """Owns one gRPC channel per node address and the router's in-flight counts."""
 
@@ -62,10 +85,10 @@ class ClusterBackend:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
-        tried: set[str] = set()
-        last_error: grpc.aio.AioRpcError | None = None
+        failed_node_ids: set[str] = set()
+        last_failure: NodeCallError | None = None
         for _ in range(MAX_ATTEMPTS):
-            route = await self.router.route(prompt_token_ids, tried)
+            route = await self.router.route(prompt_token_ids, failed_node_ids)
             if route is None:
                 break
             sent_any = False
@@ -76,22 +99,15 @@ class ClusterBackend:
                         sent_any = True
                         yield chunk
                 return
-            except grpc.aio.AioRpcError as error:
-                if sent_any or error.code() not in RETRYABLE:
-                    raise _backend_error(error) from error
-                last_error = error
-                tried.update(self._blamed(route, error))
-                logger.warning("request %s: %s, routing around it", request_id, error.details())
-        if last_error is not None:
-            raise _backend_error(last_error)
+            except NodeCallError as failure:
+                if sent_any or not failure.retryable:
+                    raise _backend_error(failure) from failure
+                last_failure = failure
+                failed_node_ids.add(failure.node.node_id)  # the other node of the route stays eligible
+                logger.warning("request %s: %s, routing around it", request_id, failure)
+        if last_failure is not None:
+            raise _backend_error(last_failure)
         raise BackendError(BackendErrorKind.UNAVAILABLE, "no healthy prefill and decode nodes are registered")
-
-    @staticmethod
-    def _blamed(route: Route, error: grpc.aio.AioRpcError) -> set[str]:
-        # Which node failed is in the error's origin; without it, avoid both next time.
-        return {n.node_id for n in route.nodes if n.address in (error.details() or "")} or {
-            n.node_id for n in route.nodes
-        }
 
     async def _run(self, rid, prompt, params, route: Route) -> AsyncIterator[GenerationChunk]:
         prefill, decode = route.prefill, route.decode
@@ -108,7 +124,7 @@ class ClusterBackend:
             ROUTED_REQUESTS.labels(node.role, node.node_id).inc()
         lease = self.router.acquire(route, len(prompt))  # released in `finally`, whatever happens
         try:
-            reserved = (await call.read()).reserved  # blocks are held on the decode node
+            reserved = (await _read(call, decode)).reserved  # blocks are held on the decode node
             if prefill is not None:
                 try:
                     first = await self._prefill(prefill, decode, reserved, rid, prompt, params)
@@ -121,7 +137,7 @@ class ClusterBackend:
                 if first.finish_reason is not None:
                     return
             first_chunk = prefill is None
-            while (message := await call.read()) is not grpc.aio.EOF:
+            while (message := await _read(call, decode)) is not grpc.aio.EOF:
                 chunk = message.chunk
                 output = GenerationChunk(
                     token_ids=list(chunk.token_ids),
@@ -141,19 +157,19 @@ class ClusterBackend:
 
     async def _prefill(self, prefill: NodeInfo, decode: NodeInfo, reserved, rid, prompt, params) -> GenerationChunk:
         stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(prefill.address))
-        response = await stub.Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id=rid,
-                prompt_token_ids=prompt,
-                sampling_params=sampling_params_to_proto(params),
-                decode_address=decode.address,
-                decode_block_ids=reserved.block_ids,
-                decode_shm_name=reserved.shm_name,
-                decode_host_id=reserved.host_id,
-                decode_kv_layout=reserved.kv_layout,
-                decode_num_cached_blocks=reserved.num_cached_blocks,
-            )
+        request = prefill_pb2.PrefillRequest(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling_params=sampling_params_to_proto(params),
+            decode_address=decode.address,
+            decode_block_ids=reserved.block_ids,
+            decode_shm_name=reserved.shm_name,
+            decode_host_id=reserved.host_id,
+            decode_kv_layout=reserved.kv_layout,
+            decode_num_cached_blocks=reserved.num_cached_blocks,
         )
+        with calling(prefill):
+            response = await stub.Prefill(request)
         PROMPT_TOKENS.labels(prefill.node_id).inc(len(prompt))
         CACHED_PROMPT_TOKENS.labels(prefill.node_id).inc(response.num_cached_tokens)
         logprobs = [logprob_from_proto(response.first_logprob)] if response.HasField("first_logprob") else []
@@ -180,9 +196,14 @@ def route_header(route: Route, prefill_cached_tokens: int, decode_cached_tokens:
     )
 
 
-def _backend_error(error: grpc.aio.AioRpcError) -> BackendError:
-    kind = STATUS_TO_KIND.get(error.code(), BackendErrorKind.UNAVAILABLE)
-    return BackendError(kind, f"{error.code().name.lower()}: {error.details()}")
+async def _read(call, decode: NodeInfo):
+    """The decode node's next message (or EOF)."""
+    with calling(decode):
+        return await call.read()
+
+
+def _backend_error(failure: NodeCallError) -> BackendError:
+    return BackendError(STATUS_TO_KIND.get(failure.error.code(), BackendErrorKind.UNAVAILABLE), str(failure))
 
 
 async def serve_cluster_gateway(settings) -> None:
