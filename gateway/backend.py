@@ -38,11 +38,11 @@ class BackendError(Exception):
 
 
 class GenerationBackend(Protocol):
-    async def generate(
+    def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
-        """Streams the request's tokens. Closing the iterator early (stop string, client gone)
-        cancels the request on the nodes. Raises BackendError."""
+        """Streams the request's tokens (an async generator is one). Closing the iterator early
+        (stop string, client gone) cancels the request on the nodes. Raises BackendError."""
         ...
 
     def is_ready(self) -> bool:

@@ -14,7 +14,6 @@ Lifecycle of one response:
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -59,12 +58,6 @@ async def close_quietly(stream: object) -> None:
             await aclose()
 
 
-async def _open_backend_stream(backend: GenerationBackend, spec: ChoiceSpec) -> AsyncIterator:
-    stream = backend.generate(spec.request_id, spec.prompt_token_ids, spec.params)
-    # An async-generator backend hands back the iterator; a coroutine one hands it back when awaited.
-    return await stream if inspect.isawaitable(stream) else stream
-
-
 async def stream_choice(
     backend: GenerationBackend, tokenizer: Tokenizer, spec: ChoiceSpec
 ) -> AsyncIterator[ChoiceDelta]:
@@ -72,7 +65,7 @@ async def stream_choice(
     finish makes a delta: logprobs of held-back tokens wait for the text they belong to."""
     detokenizer = Detokenizer(tokenizer, spec.stop)
     pending = ChoiceDelta(spec.index, "")
-    stream = await _open_backend_stream(backend, spec)
+    stream = backend.generate(spec.request_id, spec.prompt_token_ids, spec.params)
     try:
         async for chunk in stream:
             pending.text += detokenizer.add_tokens(chunk.token_ids)
