@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import uvicorn
 
 from gateway.app import create_app
@@ -25,8 +23,3 @@ def uvicorn_config(settings: GatewaySettings, backend: GenerationBackend) -> uvi
 async def serve_gateway(settings: GatewaySettings, backend: GenerationBackend) -> None:
     """Serves until cancelled or signalled; for callers that already run an event loop."""
     await uvicorn.Server(uvicorn_config(settings, backend)).serve()
-
-
-def run_gateway(settings: GatewaySettings, backend: GenerationBackend) -> None:
-    """Blocks, serving HTTP on settings.host:settings.port, until SIGINT/SIGTERM."""
-    asyncio.run(serve_gateway(settings, backend))

@@ -58,7 +58,6 @@ class KvIndexPublisher:
         self._needs_full = True
         self._pending: asyncio.Future | None = None  # a drain waiting for the engine's step to end
         self._flusher = Periodic(self.flush, interval_s, f"kv-index-{node.node_id}")
-        self.num_flushes = 0
 
     async def start(self) -> None:
         await self.flush()
@@ -87,7 +86,6 @@ class KvIndexPublisher:
             self._needs_full = changes is not None or self._needs_full  # drained changes are lost
             return
         self._failures.succeeded()
-        self.num_flushes += 1
         if changes is not None and changes.full:
             self._needs_full = False
         elif not set_was_there:

@@ -69,7 +69,8 @@ def live_server(settings, backend):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(settings, backend))  # what run_gateway serves; host/port give way to `sock`
+    # What serve_gateway serves; host and port give way to `sock`.
+    server = uvicorn.Server(uvicorn_config(settings, backend))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
