@@ -1,39 +1,63 @@
-"""`pdserve decode` and `pdserve colocated`: decode node processes.
+"""The decode role for the node runtime (`pdserve decode` and `pdserve colocated`).
 
-A colocated node is a decode node whose requests all ask for `local_prefill`: prefill and
-decode share one engine and one continuous batch, with no KV transfer."""
+A decode node keeps its KV cache in a shared-memory segment (unless `--kv-transport grpc`), so
+same-host prefill nodes write pages straight into the reserved blocks; other hosts push pages
+over the gRPC KV stream. A colocated node is a decode node whose requests all ask for
+`local_prefill`: prefill and decode share one engine and one continuous batch, no KV transfer."""
 
 from __future__ import annotations
 
 import grpc
+import torch
 
 from decode_service.servicer import DecodeServicer
-from kvtransfer.base import KvReceiver
+from kvtransfer.base import KvReceiver, KvTransferStats
 from kvtransfer.grpc_transport import KvTransferServicer
 from kvtransfer.shm_transport import SharedKvCache, host_id
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.node import NodeSettings, serve_node
+from pdserve.engine.kv_cache import KvCacheSpec, stacked_view
 from protos import decode_pb2_grpc
 
 
-def add_decode_servicers(server: grpc.aio.Server, async_engine: AsyncEngine, settings: NodeSettings) -> DecodeServicer:
-    shared = None if settings.kv_transport == "grpc" else _move_kv_cache_to_shared_memory(async_engine)
-    receiver = KvReceiver(async_engine.engine.model_runner.kv_caches, in_shared_memory=shared is not None)
-    servicer = DecodeServicer(async_engine, receiver, settings.kv_timeout_s, shared, host_id())
-    decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
-    KvTransferServicer(receiver).add_to_server(server)
-    return servicer
+class SharedMemoryKvStorage:
+    """Implements pdserve.engine.kv_cache.KvCacheStorage: the KV cache in a new shared-memory
+    segment, which this node unlinks when it stops."""
+
+    def __init__(self) -> None:
+        self.segment: SharedKvCache | None = None
+
+    def allocate(self, spec: KvCacheSpec) -> torch.Tensor:
+        if spec.device != "cpu":
+            raise ValueError(
+                f"a shared-memory KV cache lives in host memory, not on {spec.device}: use --kv-transport grpc"
+            )
+        self.segment = SharedKvCache(
+            spec.num_layers, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype
+        )
+        return stacked_view(self.segment.kv_caches)
 
 
-def _move_kv_cache_to_shared_memory(async_engine: AsyncEngine) -> SharedKvCache:
-    """Same-host prefill nodes then write pages straight into the reserved blocks. Done before
-    the engine serves anything, so the (empty) private cache is simply replaced."""
-    runner = async_engine.engine.model_runner
-    k = runner.kv_caches[0][0]
-    shared = SharedKvCache(len(runner.kv_caches), *k.shape, k.dtype)
-    runner.kv_caches = shared.kv_caches
-    return shared
+class DecodeNodeService:
+    """Implements pdserve.node.NodeService for decode and colocated nodes."""
 
+    layer_hook = None
 
-def run_decode_node(settings: NodeSettings, role: str = "decode") -> None:
-    serve_node(role, settings, add_decode_servicers)
+    def __init__(self, kv_transport: str, kv_timeout_s: float, colocated: bool = False) -> None:
+        self.kv_timeout_s = kv_timeout_s
+        shared = not colocated and kv_transport != "grpc"
+        self.kv_storage = SharedMemoryKvStorage() if shared else None
+        self._receiver: KvReceiver | None = None
+
+    def add_to_server(self, server: grpc.aio.Server, async_engine: AsyncEngine) -> None:
+        segment = self.kv_storage.segment if self.kv_storage is not None else None
+        self._receiver = KvReceiver(async_engine.engine.kv_caches, in_shared_memory=segment is not None)
+        servicer = DecodeServicer(async_engine, self._receiver, self.kv_timeout_s, segment, host_id())
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+        KvTransferServicer(self._receiver).add_to_server(server)
+
+    def kv_transfer_stats(self) -> KvTransferStats:
+        return self._receiver.stats() if self._receiver is not None else KvTransferStats()
+
+    async def close(self) -> None:
+        if self.kv_storage is not None and self.kv_storage.segment is not None:
+            self.kv_storage.segment.unlink()

@@ -19,6 +19,7 @@ import logging
 import grpc
 
 from kvtransfer.base import KvReceiver, TransferError
+from kvtransfer.shm_transport import SharedKvCache
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.request import RequestOutput
 from protos import decode_pb2, decode_pb2_grpc
@@ -40,24 +41,18 @@ def chunk_message(output: RequestOutput) -> decode_pb2.GenerateResponse:
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(
-        self, async_engine: AsyncEngine, receiver: KvReceiver, kv_timeout_s: float, shared_kv=None, host_id: str = ""
+        self,
+        async_engine: AsyncEngine,
+        receiver: KvReceiver,
+        kv_timeout_s: float,
+        shared_kv: SharedKvCache | None = None,
+        host_id: str = "",
     ) -> None:
         self.async_engine = async_engine
         self.receiver = receiver
         self.kv_timeout_s = kv_timeout_s
-        self.shared_kv = shared_kv  # kvtransfer.shm_transport.SharedKvCache, when offered
+        self.shared_kv = shared_kv  # offered to same-host prefill nodes, when the cache lives there
         self.host_id = host_id
-
-    def stats(self) -> dict[str, int]:
-        """Transfer counters for the registry (pdserve.cluster_state.registry.NodeStats)."""
-        return {
-            "kv_blocks_received": self.receiver.num_blocks_received,
-            "kv_bytes_received": self.receiver.num_bytes_received,
-        }
-
-    async def close(self) -> None:
-        if self.shared_kv is not None:
-            self.shared_kv.unlink()
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context):
         rid = request.request_id

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import uvicorn
 
 from gateway.app import create_app
@@ -14,7 +16,7 @@ def uvicorn_config(settings: GatewaySettings, backend: GenerationBackend) -> uvi
         create_app(settings, backend),
         host=settings.host,
         port=settings.port,
-        log_level=settings.log_level,
+        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),  # the process-wide level
         access_log=settings.access_log,
         log_config=None,  # keep the process's logging set-up (pdserve.log_setup)
     )

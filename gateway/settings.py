@@ -1,13 +1,17 @@
-"""The gateway's settings: read once at the entry point (arguments or PDSERVE_GATEWAY_* variables)
-and passed down."""
+"""The gateway's settings: read once at the entry point (flags or PDSERVE_GATEWAY_* variables, both
+derived from these fields by pdserve/options.py) and passed down.
+
+`RouterOptions` and `GatewayListenOptions` are groups that `pdserve up` shares: it takes the same
+options and hands them to its gateway."""
 
 from __future__ import annotations
 
 import enum
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pdserve.cluster_state.registry import RedisOptions
 from pdserve.engine.model_loader import DEFAULT_MODEL
 
 
@@ -19,24 +23,34 @@ class RoutingPolicy(enum.StrEnum):
     PREFIX_AWARE = "prefix_aware"
 
 
-class GatewaySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PDSERVE_GATEWAY_", frozen=True)
+class RouterOptions(BaseModel):
+    model_config = ConfigDict(frozen=True)
 
-    model: str = Field(DEFAULT_MODEL, description="alias (smollm2-135m), Hugging Face folder or .gguf file")
-    served_model_name: str | None = Field(None, description="the name clients send; default: the model's own name")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    redis_url: str | None = Field(None, description="the cluster's Redis; default: the embedded one")
-    max_model_len: int | None = Field(
-        None, ge=1, description="prompt + output tokens; default: config.json max_position_embeddings"
-    )
     router_policy: RoutingPolicy = Field(
-        RoutingPolicy.PREFIX_AWARE, description="how prefill and decode nodes are picked"
+        RoutingPolicy.PREFIX_AWARE,
+        description="prefix_aware: where the prompt's prefix is cached, within a load cap; or least_load, round_robin",
     )
     router_load_factor: float = Field(
         1.25,
         ge=1.0,
-        description="bounded-load cap: a node above this factor x its role's mean load gets no new request",
+        description="prefix_aware's cap: a node above this factor x its role's mean load gets no new request "
+        "(queued prompt tokens beyond one batched step on prefill nodes, requests on decode nodes)",
     )
-    log_level: str = "info"
+
+
+class GatewayListenOptions(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    host: str = Field("127.0.0.1", description="the gateway's HTTP address")
+    port: int = Field(8000, ge=0, le=65535, description="the gateway's HTTP port")
+
+
+class GatewaySettings(GatewayListenOptions, RouterOptions, RedisOptions, BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PDSERVE_GATEWAY_", frozen=True)
+
+    model: str = Field(DEFAULT_MODEL, description="alias (smollm2-135m), Hugging Face folder or .gguf file")
+    served_model_name: str | None = Field(None, description="the name clients send; default: the model's own name")
+    max_model_len: int | None = Field(
+        None, ge=1, description="prompt + output tokens; default: config.json max_position_embeddings"
+    )
     access_log: bool = Field(False, description="one log line per HTTP request")

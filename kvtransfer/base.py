@@ -71,6 +71,14 @@ class KvDestination:
     kv_layout: str = ""
 
 
+@dataclass(frozen=True)
+class KvTransferStats:
+    """A receiver's counters since the node started (a node's registry stats)."""
+
+    num_blocks_received: int = 0  # committed blocks, by either transport
+    num_bytes_received: int = 0  # page bytes that came over the gRPC stream
+
+
 class TransferError(Exception):
     """A transfer failed; the message says why."""
 
@@ -146,6 +154,9 @@ class KvReceiver:
         self.reservations: dict[str, _Reservation] = {}
         self.num_bytes_received = 0  # over the gRPC stream
         self.num_blocks_received = 0  # committed blocks, by either transport
+
+    def stats(self) -> KvTransferStats:
+        return KvTransferStats(self.num_blocks_received, self.num_bytes_received)
 
     def reserve(self, request_id: str, block_ids: list[int]) -> None:
         self.reservations[request_id] = _Reservation(list(block_ids))

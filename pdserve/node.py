@@ -1,13 +1,16 @@
-"""What every node process shares: settings, engine start-up, the gRPC server with the
-standard health service, registration in Redis, and a clean stop on SIGTERM/SIGINT.
+"""The node runtime every node process shares: engine start-up, the gRPC server with the standard
+health service, registration in Redis, and a clean stop on SIGTERM/SIGINT. What differs by role
+(`prefill`, `decode`, `colocated`) comes from the role's `NodeService`.
 
 Lifecycle of a node:
-  1. build the engine (model load) in the main thread, which then runs the engine loop (torch's
-     CPU kernels run multi-threaded there; a secondary thread got about 1.5x slower steps);
-  2. a second thread runs the asyncio loop: the gRPC server with the role's servicers, marked
+  1. the role's service says where the KV cache lives and which per-layer hook the engine calls;
+     the engine is built (model load) in the main thread, which then runs the engine loop
+     (torch's CPU kernels run multi-threaded there; a secondary thread got about 1.5x slower steps);
+  2. a second thread runs the asyncio loop: the gRPC server with the service's servicers, marked
      SERVING, the registration in Redis with heartbeats of the engine's load, and the
      publication of the prefix cache's blocks to the cluster's KV index;
-  3. on SIGTERM/SIGINT: leave the registry, stop the server (short grace), stop the engine loop.
+  3. on SIGTERM/SIGINT: leave the registry, stop the server (short grace), close the service,
+     stop the engine loop.
 """
 
 from __future__ import annotations
@@ -18,67 +21,56 @@ import signal
 import socket
 import threading
 import uuid
-from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from decode_service.server import DecodeNodeService
+from kvtransfer.base import KvTransferStats
 from kvtransfer.grpc_transport import GRPC_OPTIONS
 from pdserve.cluster_state.kv_index import KvIndexPublisher
-from pdserve.cluster_state.registry import NodeCapacity, NodeInfo, NodeLoad, NodeRegistration, NodeStats
+from pdserve.cluster_state.registry import NodeCapacity, NodeInfo, NodeRegistration, NodeRole, NodeStats
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.kv_cache import KvCacheStorage
+from pdserve.engine.llm_engine import LayerHook, LLMEngine
+from pdserve.options import NodeSettings
+from prefill_service.server import PrefillNodeService
 
 logger = logging.getLogger(__name__)
 
 
-class NodeSettings(BaseSettings):
-    """One node's settings (env prefix PDSERVE_NODE_, or CLI flags)."""
+class NodeService(Protocol):
+    """What one role adds to the node runtime (prefill_service and decode_service implement it)."""
 
-    model_config = SettingsConfigDict(env_prefix="PDSERVE_NODE_")
+    kv_storage: KvCacheStorage | None  # where the engine's KV cache lives; None: local memory
+    layer_hook: LayerHook | None  # called after each layer of a step that completes held prompts
 
-    model: str = "smollm2-135m"
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str | None = None  # address others dial; defaults to host
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    node_id: str = ""
-    num_threads: int = 0  # 0: torch's default
-    dtype: str = "float32"
-    device: str = "cpu"
-    block_size: int = 16
-    kv_cache_gib: float = 1.0
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    enable_prefix_caching: bool = True
-    kv_timeout_s: float = 30.0
-    kv_transport: str = "auto"  # auto: shared memory between same-host nodes, else gRPC; grpc; shm
-    heartbeat_s: float = 1.0
-    ttl_s: float = 3.0
+    def add_to_server(self, server: grpc.aio.Server, async_engine: AsyncEngine) -> None:
+        """Registers the role's servicers (on the event loop, before the server starts)."""
+        ...
 
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig.from_flags(
-            model=self.model,
-            dtype=self.dtype,
-            device=self.device,
-            block_size=self.block_size,
-            kv_cache_gib=self.kv_cache_gib,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            enable_prefix_caching=self.enable_prefix_caching,
-        )
+    def kv_transfer_stats(self) -> KvTransferStats: ...
+
+    async def close(self) -> None:
+        """Releases what the service holds (channels, shared memory) after the server stopped."""
+        ...
 
 
-AddServicers = Callable[[grpc.aio.Server, AsyncEngine, NodeSettings], object]
+def node_service(role: NodeRole, settings: NodeSettings) -> NodeService:
+    if role == "prefill":
+        return PrefillNodeService(settings.kv_transport)
+    return DecodeNodeService(settings.kv_transport, settings.kv_timeout_s, colocated=role == "colocated")
 
 
-def serve_node(role: str, settings: NodeSettings, add_servicers: AddServicers) -> None:
+def run_node(role: NodeRole, settings: NodeSettings) -> None:
+    """Serves one node until SIGTERM/SIGINT."""
     if settings.num_threads > 0:
         torch.set_num_threads(settings.num_threads)
-    async_engine = AsyncEngine(LLMEngine(settings.engine_config()))
+    service = node_service(role, settings)
+    engine = LLMEngine(settings.engine_config(), kv_storage=service.kv_storage, layer_hook=service.layer_hook)
+    async_engine = AsyncEngine(engine)
     stop_requested = threading.Event()
     signalled: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
@@ -89,7 +81,7 @@ def serve_node(role: str, settings: NodeSettings, add_servicers: AddServicers) -
 
     def serve_rpcs() -> None:
         try:
-            asyncio.run(_serve(role, settings, add_servicers, async_engine, stop_requested, signalled))
+            asyncio.run(_serve(role, settings, service, async_engine, stop_requested, signalled))
         finally:
             async_engine.stop()  # whatever ended the server ends the engine loop too
 
@@ -101,7 +93,7 @@ def serve_node(role: str, settings: NodeSettings, add_servicers: AddServicers) -
     rpc_thread.join()
 
 
-async def _serve(role, settings, add_servicers, async_engine, stop_requested, signalled) -> None:
+async def _serve(role, settings: NodeSettings, service: NodeService, async_engine, stop_requested, signalled) -> None:
     engine = async_engine.engine
     stop = asyncio.Event()
     signalled.append((asyncio.get_running_loop(), stop))
@@ -110,17 +102,17 @@ async def _serve(role, settings, add_servicers, async_engine, stop_requested, si
     server = grpc.aio.server(options=GRPC_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    resources = add_servicers(server, async_engine, settings)
+    service.add_to_server(server, async_engine)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     registration = NodeRegistration(
         settings.redis_url,
         _node_info(role, settings, engine, port),
-        lambda: NodeLoad(**async_engine.load),
+        lambda: async_engine.load,
         interval_s=settings.heartbeat_s,
         ttl_s=settings.ttl_s,
-        stats_fn=lambda: _node_stats(engine, resources),
+        stats_fn=lambda: _node_stats(engine, service),
     )
     await registration.start()
     kv_index = KvIndexPublisher(
@@ -137,18 +129,22 @@ async def _serve(role, settings, add_servicers, async_engine, stop_requested, si
     await registration.stop()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2.0)
-    if hasattr(resources, "close"):
-        await resources.close()
+    await service.close()
 
 
-def _node_stats(engine: LLMEngine, resources) -> NodeStats:
+def _node_stats(engine: LLMEngine, service: NodeService) -> NodeStats:
     # Plain int reads from the engine thread's counters: a heartbeat may lag a step, never tear.
     cache = engine.kv_cache_manager
-    transfer = resources.stats() if hasattr(resources, "stats") else {}
-    return NodeStats(prefix_query_tokens=cache.num_prefix_queries, prefix_hit_tokens=cache.num_prefix_hits, **transfer)
+    transfer = service.kv_transfer_stats()
+    return NodeStats(
+        prefix_query_tokens=cache.num_prefix_queries,
+        prefix_hit_tokens=cache.num_prefix_hits,
+        kv_blocks_received=transfer.num_blocks_received,
+        kv_bytes_received=transfer.num_bytes_received,
+    )
 
 
-def _node_info(role: str, settings: NodeSettings, engine: LLMEngine, port: int) -> NodeInfo:
+def _node_info(role: NodeRole, settings: NodeSettings, engine: LLMEngine, port: int) -> NodeInfo:
     host = settings.advertise_host or settings.host
     return NodeInfo(
         node_id=settings.node_id or f"{role}-{socket.gethostname()}-{port}-{uuid.uuid4().hex[:6]}",

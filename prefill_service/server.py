@@ -1,26 +1,39 @@
-"""`pdserve prefill`: a prefill node process."""
+"""The prefill role for the node runtime (`pdserve prefill`): the engine keeps its KV cache in
+local memory and calls `KvPushes.on_layer_computed` after each layer, so a prompt's pages leave
+for the decode node while the rest of the forward pass runs."""
 
 from __future__ import annotations
 
 import grpc
 
+from kvtransfer.base import KvSender, KvTransferStats
 from kvtransfer.grpc_transport import GrpcKvSender
 from kvtransfer.shm_transport import ShmKvSender
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.node import NodeSettings, serve_node
-from prefill_service.servicer import PrefillServicer
+from prefill_service.servicer import KvPushes, PrefillServicer
 from protos import prefill_pb2_grpc
 
 
-def add_prefill_servicers(
-    server: grpc.aio.Server, async_engine: AsyncEngine, settings: NodeSettings
-) -> PrefillServicer:
-    # auto and shm: shared memory when the decode node shares this host, else the gRPC stream.
-    sender = GrpcKvSender() if settings.kv_transport == "grpc" else ShmKvSender(require=settings.kv_transport == "shm")
-    servicer = PrefillServicer(async_engine, sender)
-    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-    return servicer
+class PrefillNodeService:
+    """Implements pdserve.node.NodeService for prefill nodes."""
 
+    kv_storage = None  # local memory
 
-def run_prefill_node(settings: NodeSettings) -> None:
-    serve_node("prefill", settings, add_prefill_servicers)
+    def __init__(self, kv_transport: str) -> None:
+        self.kv_transport = kv_transport  # auto | grpc | shm
+        self.pushes = KvPushes()
+        self.layer_hook = self.pushes.on_layer_computed
+        self._sender: KvSender | None = None
+
+    def add_to_server(self, server: grpc.aio.Server, async_engine: AsyncEngine) -> None:
+        # auto and shm: shared memory when the decode node shares this host, else the gRPC stream.
+        grpc_only = self.kv_transport == "grpc"
+        self._sender = GrpcKvSender() if grpc_only else ShmKvSender(require=self.kv_transport == "shm")
+        self._servicer = PrefillServicer(async_engine, self._sender, self.pushes)
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self._servicer, server)
+
+    def kv_transfer_stats(self) -> KvTransferStats:
+        return KvTransferStats()  # a prefill node receives no pages
+
+    async def close(self) -> None:
+        await self._servicer.close()

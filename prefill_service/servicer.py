@@ -23,6 +23,7 @@ import grpc
 
 from kvtransfer.base import KvCommit, KvDestination, KvSender, KvStream, TransferError
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.llm_engine import HeldPrompt
 from pdserve.engine.sampling_params import SamplingParams
 from protos import prefill_pb2, prefill_pb2_grpc
 from protos.convert import logprob_to_proto, sampling_params_from_proto
@@ -59,15 +60,46 @@ class _Push:
     num_skipped_blocks: int = 0
 
 
+class KvPushes:
+    """The open layer-wise pushes by request id. The servicer adds and removes them on the event
+    loop; `on_layer_computed`, the engine's layer hook, reads them on the engine thread."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, _Push] = {}
+
+    def add(self, request_id: str, stream: KvStream, num_skipped_blocks: int) -> None:
+        self._by_request[request_id] = _Push(stream, num_skipped_blocks)
+
+    def stream(self, request_id: str) -> KvStream:
+        return self._by_request[request_id].stream
+
+    def pop(self, request_id: str) -> KvStream | None:
+        push = self._by_request.pop(request_id, None)
+        return push.stream if push is not None else None
+
+    def on_layer_computed(self, layer: int, held: list[HeldPrompt]) -> None:
+        """Engine thread, between two layers: hand this layer's pages to each request's stream."""
+        for prompt in held:
+            push = self._by_request.get(prompt.request_id)
+            if push is None:
+                continue
+            try:
+                push.stream.send_layer(layer, prompt.block_ids[push.num_skipped_blocks :])
+            except Exception:  # a broken transfer must not break the batch: its commit will fail
+                logger.exception("sending layer %d of %s failed", layer, prompt.request_id)
+
+
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, async_engine: AsyncEngine, sender: KvSender) -> None:
+    """Serves Prefill calls; the engine must have been built with `pushes.on_layer_computed` as
+    its layer hook, so that pages leave as each layer is computed."""
+
+    def __init__(self, async_engine: AsyncEngine, sender: KvSender, pushes: KvPushes) -> None:
         self.async_engine = async_engine
         self.sender = sender
-        self.kv_caches = async_engine.engine.model_runner.kv_caches
-        self.pushes: dict[str, _Push] = {}  # read by the engine thread between layers
+        self.pushes = pushes
+        self.kv_caches = async_engine.engine.kv_caches
+        self.eos_token_ids = async_engine.engine.eos_token_ids
         self._commits: set[asyncio.Task] = set()
-        self.num_push_failures = 0
-        async_engine.engine.on_layer_computed = self._on_layer_computed
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         rid = request.request_id
@@ -77,21 +109,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         try:
             stream = self.sender.open_stream(destination_of(request), self.kv_caches, rid)
-            self.pushes[rid] = _Push(stream, request.decode_num_cached_blocks)
+            self.pushes.add(rid, stream, request.decode_num_cached_blocks)
         except TransferError as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         try:
             output = await self._first_token(rid, list(request.prompt_token_ids), params, context)
         except BaseException:
-            self.pushes.pop(rid).stream.cancel()
+            self.pushes.pop(rid).cancel()
             raise
         token_id = output.new_token_ids[0]
         logprob = output.new_logprobs[0] if output.new_logprobs else None
-        reason = finish_reason_after_first_token(params, self.async_engine.engine.eos_token_ids, token_id)
+        reason = finish_reason_after_first_token(params, self.eos_token_ids, token_id)
         if reason is None:
             self._start_commit(rid, KvCommit(rid, token_id, logprob))
         else:
-            self.pushes.pop(rid).stream.cancel()
+            self.pushes.pop(rid).cancel()
             self.async_engine.submit(lambda engine: engine.release_kv(rid))
         response = prefill_pb2.PrefillResponse(
             first_token_id=token_id,
@@ -102,17 +134,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if logprob is not None:
             response.first_logprob.CopyFrom(logprob_to_proto(logprob))
         return response
-
-    def _on_layer_computed(self, layer: int, completing) -> None:
-        """Engine thread, between two layers: hand this layer's pages to each request's stream."""
-        for request, block_ids in completing:
-            push = self.pushes.get(request.request_id)
-            if push is None:
-                continue
-            try:
-                push.stream.send_layer(layer, block_ids[push.num_skipped_blocks :])
-            except Exception:  # a broken transfer must not break the batch: its commit will fail
-                logger.exception("sending layer %d of %s failed", layer, request.request_id)
 
     async def _first_token(self, rid: str, prompt: list[int], params: SamplingParams, context):
         stream = self.async_engine.open_stream(rid)
@@ -137,12 +158,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def _commit(self, rid: str, commit: KvCommit) -> None:
         try:
-            await self.pushes[rid].stream.commit(commit)
+            await self.pushes.stream(rid).commit(commit)
         except (TransferError, asyncio.CancelledError) as error:
-            self.num_push_failures += 1
             logger.warning("KV transfer of %s failed: %s", rid, error)
         finally:
-            self.pushes.pop(rid, None)
+            self.pushes.pop(rid)
             self.async_engine.submit(lambda engine: engine.release_kv(rid))
 
     async def close(self) -> None:

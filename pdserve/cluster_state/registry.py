@@ -31,6 +31,8 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from pdserve.engine.scheduler import EngineLoad
+
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "pdserve:node:"
@@ -47,15 +49,6 @@ if value and cjson.decode(value)['incarnation'] == ARGV[1] then
 end
 return 0
 """
-
-
-class NodeLoad(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    num_waiting_tokens: int = 0
-    num_running: int = 0
-    num_free_blocks: int = 0
-    num_pending_transfers: int = 0
 
 
 class NodeStats(BaseModel):
@@ -88,7 +81,7 @@ class NodeInfo(BaseModel):
     address: str  # "host:port" of the node's gRPC server
     model: str
     capacity: NodeCapacity
-    load: NodeLoad = NodeLoad()
+    load: EngineLoad = EngineLoad()  # the engine's own record, as its heartbeat last carried it
     stats: NodeStats = NodeStats()
     incarnation: str = Field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = Field(default_factory=time.time)
@@ -104,6 +97,14 @@ class NodeInfo(BaseModel):
     @classmethod
     def from_json(cls, data: str | bytes) -> NodeInfo:
         return cls.model_validate_json(data)
+
+
+class RedisOptions(BaseModel):
+    """Where the cluster's Redis is: an option of every process that reads or writes the registry."""
+
+    model_config = ConfigDict(frozen=True)
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="the cluster's Redis")
 
 
 def node_key(node_id: str) -> str:
@@ -186,7 +187,7 @@ class NodeRegistration:
         self,
         redis_url: str,
         node_info: NodeInfo,
-        load_fn: Callable[[], NodeLoad],
+        load_fn: Callable[[], EngineLoad],
         interval_s: float = DEFAULT_INTERVAL_S,
         ttl_s: float = DEFAULT_TTL_S,
         stats_fn: Callable[[], NodeStats] = NodeStats,

@@ -24,6 +24,7 @@ from typing import Any
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestOutput
+from pdserve.engine.scheduler import EngineLoad
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class AsyncEngine:
         self._streams_lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.load: dict[str, int] = engine.load()  # refreshed on the engine thread every loop
+        self.load: EngineLoad = engine.load()  # refreshed on the engine thread every loop
 
     def start(self) -> None:
         self._thread.start()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.model_loader import DEFAULT_MODEL
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -47,38 +49,13 @@ class EngineConfig:
     `model` is an alias (e.g. `smollm2-135m`), a Hugging Face folder or a `.gguf` file.
     """
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     dtype: str = "float32"
     device: str = "cpu"
     attention_backend: str = "torch"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
-
-    @classmethod
-    def from_flags(
-        cls,
-        model: str,
-        dtype: str = "float32",
-        device: str = "cpu",
-        block_size: int = 16,
-        kv_cache_gib: float = 1.0,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 64,
-        enable_prefix_caching: bool = True,
-    ) -> EngineConfig:
-        """The config from the flat settings the CLI and node settings expose."""
-        return cls(
-            model=model,
-            dtype=dtype,
-            device=device,
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)),
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
-        )
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -6,11 +6,49 @@ flattened [num_blocks * block_size, num_kv_heads, head_dim] view.
 
 All layers live in one tensor [num_layers, 2 (K, V), num_blocks, ...] and the per-layer K/V
 are views of it, so a run of blocks can be copied for every layer at once (`stacked_view`).
+
+Where that tensor lives is the caller's choice (`KvCacheStorage`): local memory by default; a
+decode node puts it in a shared-memory segment that same-host prefill nodes write into.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
+
+
+@dataclass(frozen=True)
+class KvCacheSpec:
+    """The shape of a paged KV cache: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: str = "cpu"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+class KvCacheStorage(Protocol):
+    """Where an engine's KV cache lives; the engine's caller picks it at construction."""
+
+    def allocate(self, spec: KvCacheSpec) -> torch.Tensor:
+        """A zeroed tensor of `spec.shape`, `spec.dtype` on `spec.device`; the engine owns its contents."""
+        ...
+
+
+class LocalKvCacheStorage:
+    """The default: the cache in this process's memory (or on its device)."""
+
+    def allocate(self, spec: KvCacheSpec) -> torch.Tensor:
+        return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -20,8 +58,8 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 def allocate_kv_caches(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    stacked = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
-    return kv_caches_over(stacked)
+    spec = KvCacheSpec(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    return kv_caches_over(LocalKvCacheStorage().allocate(spec))
 
 
 def kv_caches_over(stacked: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import KvCacheStorage, LocalKvCacheStorage
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import resolve_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Reservation, Scheduler
+from pdserve.engine.scheduler import EngineLoad, Reservation, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +38,28 @@ class KvCacheChanges:
     full: bool  # stored is everything cached: drop what was known before
 
 
-class LLMEngine:
-    """Owns the model runner, KV cache manager and scheduler; mutates requests as they run."""
+@dataclass(frozen=True)
+class HeldPrompt:
+    """A held request (`hold_kv`) whose prompt completes in this step, and its KV blocks in order."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    request_id: str
+    block_ids: list[int]
+
+
+# Called on the engine thread as soon as a layer of a step is computed, with the held prompts
+# that complete in that step: a prefill node pushes that layer's pages while the rest runs.
+LayerHook = Callable[[int, list[HeldPrompt]], None]
+
+
+class LLMEngine:
+    """Owns the model runner, KV cache manager and scheduler; mutates requests as they run.
+
+    The caller chooses where the KV cache lives (`kv_storage`, local memory by default) and may
+    pass a `layer_hook` that sees each layer of a step that completes held prompts."""
+
+    def __init__(
+        self, config: EngineConfig, kv_storage: KvCacheStorage | None = None, layer_hook: LayerHook | None = None
+    ) -> None:
         self.config = config
         resolved = resolve_model(config.model)
         self.model_path = resolved.path
@@ -47,7 +68,7 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.max_model_len = hf_config.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
-        self.model_runner = ModelRunner(config, self.model_path, hf_config)
+        self.model_runner = ModelRunner(config, self.model_path, hf_config, kv_storage or LocalKvCacheStorage())
         self.kv_cache_manager = KVCacheManager(
             self.model_runner.num_blocks,
             config.cache.block_size,
@@ -56,9 +77,12 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self._request_counter = itertools.count()
-        # Prefill node: called (on the engine thread) with (layer, [(request, block_ids)]) for
-        # held requests whose prompt completes this step, as soon as that layer is computed.
-        self.on_layer_computed = None
+        self.layer_hook = layer_hook
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (K, V) views of the paged cache: what KV transfer reads and writes."""
+        return self.model_runner.kv_caches
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, hold_kv: bool = False
@@ -120,20 +144,9 @@ class LLMEngine:
             self.model_runner.release(request_id)
         self.scheduler.release_held(request_id)
 
-    def load(self) -> dict[str, int]:
+    def load(self) -> EngineLoad:
         """What the node reports to the registry (read on the engine thread)."""
-        scheduler = self.scheduler
-        return {
-            "num_waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
-            + sum(
-                r.num_tokens - r.num_computed_tokens
-                for r in scheduler.running
-                if r.num_computed_tokens < r.num_prompt_tokens
-            ),
-            "num_running": len(scheduler.running) + len(scheduler.prefilled),
-            "num_free_blocks": self.kv_cache_manager.num_free_blocks,
-            "num_pending_transfers": len(scheduler.reserved) + len(scheduler.held),
-        }
+        return self.scheduler.load()
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -159,13 +172,17 @@ class LLMEngine:
             outputs.append(_step_output(request, token_id, logprob))
         return outputs
 
-    def _layer_hook(self, scheduled):
-        if self.on_layer_computed is None:
+    def _layer_hook(self, scheduled) -> Callable[[int], None] | None:
+        if self.layer_hook is None:
             return None
-        completing = [(s.request, s.block_ids) for s in scheduled if s.completes_sequence and s.request.hold_kv]
-        if not completing:
+        held = [
+            HeldPrompt(s.request.request_id, s.block_ids)
+            for s in scheduled
+            if s.completes_sequence and s.request.hold_kv
+        ]
+        if not held:
             return None
-        return lambda layer: self.on_layer_computed(layer, completing)
+        return lambda layer: self.layer_hook(layer, held)
 
     def generate(
         self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams]

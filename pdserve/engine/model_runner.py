@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 
 from pdserve.engine.attention import BatchLayout, get_attention_backend
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache import allocate_kv_caches, bytes_per_block
+from pdserve.engine.kv_cache import KvCacheSpec, KvCacheStorage, bytes_per_block, kv_caches_over
 from pdserve.engine.models.llama import LlamaModel, load_hf_weights, rotary_tables
 from pdserve.engine.request import TokenLogprob
 from pdserve.engine.sampler import Sampler
@@ -29,9 +29,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class ModelRunner:
-    """Owns the model weights, the KV caches (which each step mutates) and per-request generators."""
+    """Owns the model weights, the KV caches (which each step mutates) and per-request generators.
+    The KV cache tensor comes from `kv_storage`, which the engine's caller chose."""
 
-    def __init__(self, config: EngineConfig, model_path: Path, hf_config: PretrainedConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, model_path: Path, hf_config: PretrainedConfig, kv_storage: KvCacheStorage
+    ) -> None:
         architectures = set(hf_config.architectures or [])
         if not architectures & SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -43,15 +46,11 @@ class ModelRunner:
         self.model = self._load_model(config, model_path, hf_config)
         self.num_blocks = config.cache.num_blocks or self._num_blocks_for(config.cache.kv_cache_memory_bytes, hf_config)
         attn = self.model.layers[0].self_attn
-        self.kv_caches = allocate_kv_caches(
-            hf_config.num_hidden_layers,
-            self.num_blocks,
-            self.block_size,
-            attn.num_kv_heads,
-            attn.head_dim,
-            self.dtype,
+        spec = KvCacheSpec(
+            hf_config.num_hidden_layers, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype,
             config.device,
-        )
+        )  # fmt: skip
+        self.kv_caches = kv_caches_over(kv_storage.allocate(spec))
         self.sampler = Sampler()
         self.seed_generator = torch.Generator().manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}

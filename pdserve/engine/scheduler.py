@@ -45,6 +45,16 @@ class Reservation:
     num_cached_blocks: int
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy an engine is: what a node reports to the registry and the router reads."""
+
+    num_waiting_tokens: int = 0  # prompt tokens not computed yet (waiting or mid-prefill)
+    num_running: int = 0  # sequences decoding, or prefilled and about to
+    num_free_blocks: int = 0
+    num_pending_transfers: int = 0  # decode: reserved blocks awaiting pages; prefill: pages held for a push
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -77,6 +87,15 @@ class Scheduler:
     @property
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.prefilled)
+
+    def load(self) -> EngineLoad:
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        return EngineLoad(
+            num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in [*self.waiting, *prefilling]),
+            num_running=len(self.running) + len(self.prefilled),
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            num_pending_transfers=len(self.reserved) + len(self.held),
+        )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

@@ -12,26 +12,28 @@ from kvtransfer.base import KvReceiver
 from kvtransfer.fake import FakeKvSender
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
-from prefill_service.servicer import PrefillServicer
+from prefill_service.servicer import KvPushes, PrefillServicer
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from protos.convert import sampling_params_to_proto
 
 NUM_BLOCKS = 32
 
 
-def engine_for(path) -> AsyncEngine:
-    return AsyncEngine(LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(num_blocks=NUM_BLOCKS))))
+def engine_for(path, layer_hook=None) -> AsyncEngine:
+    config = EngineConfig(model=str(path), cache=CacheConfig(num_blocks=NUM_BLOCKS))
+    return AsyncEngine(LLMEngine(config, layer_hook=layer_hook))
 
 
 async def serve(tiny_llama_path):
-    decode_engine, prefill_engine = engine_for(tiny_llama_path), engine_for(tiny_llama_path)
+    pushes = KvPushes()
+    decode_engine, prefill_engine = engine_for(tiny_llama_path), engine_for(tiny_llama_path, pushes.on_layer_computed)
     decode_engine.start()
     prefill_engine.start()
-    receiver = KvReceiver(decode_engine.engine.model_runner.kv_caches)
+    receiver = KvReceiver(decode_engine.engine.kv_caches)
     server = grpc.aio.server()
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(decode_engine, receiver, 5.0), server)
     sender = FakeKvSender({"decode": receiver})
-    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(prefill_engine, sender), server)
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(prefill_engine, sender, pushes), server)
     prefill_engine.sender = sender  # for assertions
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

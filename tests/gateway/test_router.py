@@ -9,8 +9,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from gateway.router import Router, RoutingPolicy
-from pdserve.cluster_state.registry import NodeCapacity, NodeInfo, NodeLoad
+from pdserve.cluster_state.registry import NodeCapacity, NodeInfo
 from pdserve.engine.block_hash import hash_token_blocks
+from pdserve.engine.scheduler import EngineLoad
 
 BLOCK = 16
 
@@ -18,7 +19,7 @@ BLOCK = 16
 def node(node_id: str, role: str = "prefill", **load) -> NodeInfo:
     capacity = NodeCapacity(num_blocks=512, block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=512)
     return NodeInfo(
-        node_id=node_id, role=role, address=f"{node_id}:1", model="m", capacity=capacity, load=NodeLoad(**load)
+        node_id=node_id, role=role, address=f"{node_id}:1", model="m", capacity=capacity, load=EngineLoad(**load)
     )
 
 

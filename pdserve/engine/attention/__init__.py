@@ -1,5 +1,16 @@
-"""Attention backends over the paged KV cache, chosen by name."""
+"""Attention backends over the paged KV cache, chosen by name.
 
-from pdserve.engine.attention.backend import AttentionBackend, BatchLayout, get_attention_backend
+The factory lives here, so `backend.py` (the interface) knows no implementation."""
 
-__all__ = ["AttentionBackend", "BatchLayout", "get_attention_backend"]
+from pdserve.engine.attention.backend import AttentionBackend, BatchLayout
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+
+BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+
+__all__ = ["BACKENDS", "AttentionBackend", "BatchLayout", "get_attention_backend"]
+
+
+def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
+    return BACKENDS[name](num_heads, num_kv_heads, head_dim)

@@ -62,12 +62,3 @@ class AttentionBackend(ABC):
         metadata: object,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Stores key/value at the layout's slots, then returns attention output per token."""
-
-
-def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
-    from pdserve.engine.attention.torch_backend import TorchAttentionBackend
-
-    backends = {"torch": TorchAttentionBackend}
-    if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(backends)}")
-    return backends[name](num_heads, num_kv_heads, head_dim)

@@ -7,7 +7,8 @@ import pytest
 import redis
 
 from pdserve.cluster_state.embedded_redis import EmbeddedRedis
-from pdserve.cluster_state.registry import NodeCapacity, NodeInfo, NodeLoad, NodeRegistration, RegistryView, node_key
+from pdserve.cluster_state.registry import NodeCapacity, NodeInfo, NodeRegistration, RegistryView, node_key
+from pdserve.engine.scheduler import EngineLoad
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,12 +47,12 @@ def test_node_info_json_round_trip_ignores_unknown_fields():
 
 def test_ttl_must_exceed_interval(redis_url):
     with pytest.raises(ValueError, match="must exceed"):
-        NodeRegistration(redis_url, make_node(), NodeLoad, interval_s=1.0, ttl_s=1.0)
+        NodeRegistration(redis_url, make_node(), EngineLoad, interval_s=1.0, ttl_s=1.0)
 
 
 def test_registered_node_appears_with_its_load(redis_url):
     async def body():
-        load = NodeLoad(num_waiting_tokens=7, num_running=2, num_free_blocks=100, num_pending_transfers=1)
+        load = EngineLoad(num_waiting_tokens=7, num_running=2, num_free_blocks=100, num_pending_transfers=1)
         registration = NodeRegistration(redis_url, make_node(), lambda: load, **FAST)
         view = RegistryView(redis_url, ttl_s=1.0)
         await registration.start()
@@ -69,17 +70,17 @@ def test_registered_node_appears_with_its_load(redis_url):
 
 def test_load_updates_appear(redis_url):
     async def body():
-        current = {"load": NodeLoad(num_running=1)}
+        current = {"load": EngineLoad(num_running=1)}
         registration = NodeRegistration(redis_url, make_node(), lambda: current["load"], **FAST)
         view = RegistryView(redis_url, refresh_s=0.05, ttl_s=1.0)
         await registration.start()
         await view.start()
-        current["load"] = NodeLoad(num_running=5, num_free_blocks=3)
+        current["load"] = EngineLoad(num_running=5, num_free_blocks=3)
         deadline = time.monotonic() + 3.0
         while view.get("prefill-0").load.num_running != 5:  # the background refresh picks it up
             assert time.monotonic() < deadline, "load update never reached the view"
             await asyncio.sleep(0.05)
-        assert view.get("prefill-0").load == NodeLoad(num_running=5, num_free_blocks=3)
+        assert view.get("prefill-0").load == EngineLoad(num_running=5, num_free_blocks=3)
         await registration.stop()
         await view.stop()
 
@@ -89,7 +90,7 @@ def test_load_updates_appear(redis_url):
 def test_nodes_filters_by_role_and_sorts_by_id(redis_url):
     async def body():
         registrations = [
-            NodeRegistration(redis_url, make_node(node_id, role), NodeLoad, **FAST)
+            NodeRegistration(redis_url, make_node(node_id, role), EngineLoad, **FAST)
             for node_id, role in [("prefill-1", "prefill"), ("decode-0", "decode"), ("prefill-0", "prefill")]
         ]
         for registration in registrations:
@@ -108,7 +109,7 @@ def test_nodes_filters_by_role_and_sorts_by_id(redis_url):
 
 def test_silent_node_disappears_after_ttl(redis_url):
     async def body():
-        registration = NodeRegistration(redis_url, make_node(), NodeLoad, **FAST)
+        registration = NodeRegistration(redis_url, make_node(), EngineLoad, **FAST)
         view = RegistryView(redis_url, ttl_s=1.0)
         await registration.start()
         await registration._heartbeat.stop()  # the node "crashes": no more beats, no delete
@@ -124,7 +125,7 @@ def test_silent_node_disappears_after_ttl(redis_url):
 
 def test_stop_removes_the_node_at_once(redis_url):
     async def body():
-        registration = NodeRegistration(redis_url, make_node(), NodeLoad, **FAST)
+        registration = NodeRegistration(redis_url, make_node(), EngineLoad, **FAST)
         view = RegistryView(redis_url, ttl_s=1.0)
         await registration.start()
         await view.refresh()
@@ -139,8 +140,8 @@ def test_stop_removes_the_node_at_once(redis_url):
 
 def test_restarted_node_replaces_old_entry_and_old_stop_keeps_it(redis_url):
     async def body():
-        old = NodeRegistration(redis_url, make_node(port=1111), NodeLoad, **FAST)
-        new = NodeRegistration(redis_url, make_node(port=2222), NodeLoad, **FAST)
+        old = NodeRegistration(redis_url, make_node(port=1111), EngineLoad, **FAST)
+        new = NodeRegistration(redis_url, make_node(port=2222), EngineLoad, **FAST)
         view = RegistryView(redis_url, ttl_s=1.0)
         await old.start()
         await old._heartbeat.stop()  # the old process died...
@@ -161,7 +162,7 @@ def test_malformed_entry_is_ignored(redis_url):
     async def body():
         client = redis.Redis.from_url(redis_url)
         client.set(node_key("junk"), b"{not json")
-        registration = NodeRegistration(redis_url, make_node(), NodeLoad, **FAST)
+        registration = NodeRegistration(redis_url, make_node(), EngineLoad, **FAST)
         await registration.start()
         view = RegistryView(redis_url, ttl_s=1.0)
         assert await view.refresh()
@@ -175,7 +176,7 @@ def test_malformed_entry_is_ignored(redis_url):
 
 def test_view_and_node_survive_redis_outage():
     async def body(server: EmbeddedRedis):
-        registration = NodeRegistration(server.url, make_node(), NodeLoad, **FAST)
+        registration = NodeRegistration(server.url, make_node(), EngineLoad, **FAST)
         view = RegistryView(server.url, refresh_s=0.05, ttl_s=1.0)
         await registration.start()
         await view.start()

@@ -1,0 +1,190 @@
+"""Every option of the `pdserve` commands, defined once: name, type, default and help text.
+
+An option is a field of a pydantic model. Options that travel together form a group
+(`EngineOptions`, `KvTransferOptions`, and the gateway's `RouterOptions`); each command's settings
+class is a pydantic-settings model made of groups plus its own fields. From that one definition:
+
+    add_flags(parser, Settings)     the command's flags: --max-num-seqs, --prefix-caching/--no-prefix-caching
+    Settings(...)                   PDSERVE_<COMMAND>_<NAME> environment variables (flags win over them)
+    to_flags(settings, Group)       the flags `pdserve up` hands a child for the options it shares
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import types
+import typing
+from collections.abc import Collection
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gateway.settings import GatewayListenOptions, RouterOptions
+from pdserve.cluster_state.registry import RedisOptions
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.model_loader import DEFAULT_MODEL
+from pdserve.engine.sampling_params import SamplingParams
+
+GIB = 1 << 30
+
+
+class EngineOptions(BaseModel):
+    """The engine inside every node (defaults are the engine's own: pdserve/engine/config.py)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str = Field(DEFAULT_MODEL, description="alias (smollm2-135m), Hugging Face folder or .gguf file")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(EngineConfig.dtype, description="weights and KV cache")
+    device: str = Field(EngineConfig.device, description="torch device")
+    block_size: int = Field(CacheConfig.block_size, description="tokens per KV block, a power of two")
+    kv_cache_gib: float = Field(CacheConfig.kv_cache_memory_bytes / GIB, gt=0, description="memory for the KV cache")
+    max_num_batched_tokens: int = Field(
+        SchedulerConfig.max_num_batched_tokens, ge=1, description="tokens in one forward pass (prefill chunks included)"
+    )
+    max_num_seqs: int = Field(SchedulerConfig.max_num_seqs, ge=1, description="sequences in the running batch")
+    prefix_caching: bool = Field(CacheConfig.enable_prefix_caching, description="reuse cached prompt prefixes")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=int(self.kv_cache_gib * GIB),
+                enable_prefix_caching=self.prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs
+            ),
+        )
+
+
+class KvTransferOptions(BaseModel):
+    """How prefill nodes push KV pages to decode nodes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kv_transport: Literal["auto", "grpc", "shm"] = Field(
+        "auto", description="auto: shared memory between nodes on one host, else the gRPC stream"
+    )
+    kv_timeout_s: float = Field(30.0, gt=0, description="how long a decode node waits for a prompt's pages")
+
+
+class NodeSettings(EngineOptions, KvTransferOptions, RedisOptions, BaseSettings):
+    """`pdserve prefill|decode|colocated`: one node."""
+
+    model_config = SettingsConfigDict(env_prefix="PDSERVE_NODE_", frozen=True)
+
+    host: str = Field("127.0.0.1", description="the gRPC server's address")
+    port: int = Field(0, ge=0, le=65535, description="the gRPC port; 0 picks a free one")
+    advertise_host: str | None = Field(None, description="the host other nodes and the gateway dial; default: --host")
+    node_id: str = Field("", description="the node's name in the registry; default: role-host-port-random")
+    num_threads: int = Field(0, ge=0, description="torch threads; 0: torch's default")
+    heartbeat_s: float = Field(1.0, gt=0, description="seconds between registry heartbeats")
+    ttl_s: float = Field(3.0, gt=0, description="a node missing heartbeats this long leaves the registry")
+
+
+class GenerateSettings(EngineOptions, BaseSettings):
+    """`pdserve generate`: the engine offline, one JSON object per prompt and line."""
+
+    model_config = SettingsConfigDict(env_prefix="PDSERVE_GENERATE_", frozen=True)
+
+    max_tokens: int = Field(64, ge=1, description="tokens to generate per prompt")
+    temperature: float = Field(SamplingParams.temperature, ge=0, description="0 for greedy")
+    top_p: float = Field(SamplingParams.top_p, gt=0, le=1, description="nucleus sampling; 1 disables it")
+    top_k: int = Field(SamplingParams.top_k, ge=-1, description="0 disables top-k")
+    seed: int | None = Field(None, description="makes sampling reproducible")
+    ignore_eos: bool = Field(SamplingParams.ignore_eos, description="generate max_tokens even past EOS")
+    chat: bool = Field(False, description="apply the model's chat template")
+    prompts_file: str | None = Field(None, description="one prompt per line")
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class UpSettings(GatewayListenOptions, RouterOptions, EngineOptions, KvTransferOptions, BaseSettings):
+    """`pdserve up`: Redis, the nodes and the gateway on this machine. The engine and KV transfer
+    options go to every node, the router options to the gateway."""
+
+    model_config = SettingsConfigDict(env_prefix="PDSERVE_UP_", frozen=True)
+
+    prefill: int = Field(1, ge=0, description="number of prefill nodes")
+    decode: int = Field(1, ge=0, description="number of decode nodes")
+    colocated: bool = Field(False, description="one node doing prefill and decode, no KV transfer")
+    redis_url: str | None = Field(None, description="use this Redis instead of starting an embedded one")
+    log_dir: str | None = Field(None, description="keep each child's log here; default: a temporary folder")
+    ready_timeout_s: float = Field(300.0, gt=0, description="give up if the cluster is not serving by then")
+
+
+def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], only: Collection[str] = ()) -> None:
+    """One flag per field of `model` (or of the fields named in `only`). Flags default to
+    SUPPRESS, so what is not given comes from the environment or the field's default."""
+    env_prefix = model.model_config.get("env_prefix", "")
+    for name, field in model.model_fields.items():
+        if not only or name in only:
+            flag, help_text = f"--{name.replace('_', '-')}", _help(name, field, env_prefix)
+            parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text, **_flag_kwargs(field))
+
+
+def settings_from_args(model: type[BaseModel], args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The settings from the given flags (and the environment); a bad value exits with usage."""
+    given = {name: getattr(args, name) for name in model.model_fields if hasattr(args, name)}
+    try:
+        return model(**given)
+    except ValidationError as error:
+        problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in error.errors())
+        parser.error(problems)
+
+
+def to_flags(settings: BaseModel, *groups: type[BaseModel], exclude: Collection[str] = ()) -> list[str]:
+    """The flags that give a child process the same values for every field of `groups`."""
+    flags: list[str] = []
+    for group in groups:
+        for name in group.model_fields:
+            value = getattr(settings, name)
+            if name in exclude or value is None:
+                continue
+            flag = name.replace("_", "-")
+            if isinstance(value, bool):
+                flags.append(f"--{flag}" if value else f"--no-{flag}")
+            else:
+                flags += [f"--{flag}", str(value.value if isinstance(value, enum.Enum) else value)]
+    return flags
+
+
+def _flag_kwargs(field: FieldInfo) -> dict:
+    kind = _without_none(field.annotation)
+    if kind is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(kind) is Literal:
+        return {"choices": typing.get_args(kind)}
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return {"choices": [member.value for member in kind]}
+    return {"type": kind, "metavar": kind.__name__.upper()}
+
+
+def _without_none(annotation):
+    """`int | None` -> int: an optional value is given as the value itself."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        (annotation,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    return annotation
+
+
+def _help(name: str, field: FieldInfo, env_prefix: str) -> str:
+    default = "required" if field.is_required() else f"default: {_shown(field.default)}"
+    return f"{field.description or ''} ({default}; env {env_prefix}{name.upper()})".replace("%", "%%")
+
+
+def _shown(value) -> str:
+    return str(value.value if isinstance(value, enum.Enum) else value)
