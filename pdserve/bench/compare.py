@@ -37,7 +37,8 @@ from pathlib import Path
 from pdserve.bench import offline
 from pdserve.bench.client import ClientConfig
 from pdserve.bench.metrics import Distribution
-from pdserve.bench.serving import LevelResult, Load, run_benchmark
+from pdserve.bench.results import LevelResult, Load
+from pdserve.bench.serving import run_benchmark
 from pdserve.bench.workloads import Conversation, user
 
 logger = logging.getLogger(__name__)

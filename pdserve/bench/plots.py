@@ -9,14 +9,11 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pdserve.bench.metrics import RequestRecord
-
-if TYPE_CHECKING:
-    from pdserve.bench.serving import LevelResult
+from pdserve.bench.results import LevelResult
 
 METRIC_TO_VALUES_S = {
     "ttft": lambda r: [r.ttft_s],

@@ -8,12 +8,10 @@ import platform
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdserve.bench.metrics import BenchmarkMetrics, Distribution, RequestRecord
-
-if TYPE_CHECKING:
-    from pdserve.bench.serving import LevelResult
+from pdserve.bench.results import LevelResult
 
 LATENCIES = (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2E", "e2e"))
 MAX_ERRORS_SHOWN = 5

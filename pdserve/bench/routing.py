@@ -27,7 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.client import ClientConfig
 from pdserve.bench.metrics import Distribution
-from pdserve.bench.serving import LevelResult, Load, run_benchmark
+from pdserve.bench.results import LevelResult, Load
+from pdserve.bench.serving import run_benchmark
 from pdserve.bench.workloads import WorkloadConfig, iter_conversations
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,6 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -33,7 +32,8 @@ from tqdm import tqdm
 
 from pdserve.bench import plots, report
 from pdserve.bench.client import ENDPOINT_TO_PATH, ClientConfig, StreamingClient
-from pdserve.bench.metrics import BenchmarkMetrics, RequestRecord, Slo, compute_metrics
+from pdserve.bench.metrics import RequestRecord, Slo, compute_metrics
+from pdserve.bench.results import LevelResult, Load
 from pdserve.bench.workloads import WORKLOADS, Conversation, WorkloadConfig, iter_conversations, turn_messages
 
 logger = logging.getLogger(__name__)
@@ -43,45 +43,6 @@ DEFAULT_CONCURRENCY = 8
 DEFAULT_NUM_REQUESTS = 100
 
 ConversationSource = Callable[[str], Iterator[Conversation]]  # tag -> an independent stream
-
-
-@dataclass(frozen=True)
-class Load:
-    """One load level: how requests arrive, and when the level ends."""
-
-    concurrency: int | None = None  # most requests in flight; None only with a request rate
-    request_rate: float | None = None  # conversations started per second (Poisson); None: closed loop
-    num_requests: int | None = None  # stop sending after this many requests ...
-    duration_s: float | None = None  # ... or after this many seconds, whichever comes first
-
-    def __post_init__(self):
-        if self.concurrency is None and self.request_rate is None:
-            raise ValueError("give a concurrency, a request rate, or both")
-        if self.num_requests is None and self.duration_s is None:
-            raise ValueError("give num_requests or duration_s so that the run ends by itself")
-        for name in ("concurrency", "request_rate", "num_requests", "duration_s"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-
-    @property
-    def tag(self) -> str:
-        """Names this level's conversation stream, so that levels never share prompts."""
-        return f"c{self.concurrency}" if self.request_rate is None else f"r{self.request_rate:g}"
-
-    @property
-    def label(self) -> str:
-        if self.request_rate is None:
-            return f"concurrency {self.concurrency}"
-        cap = "" if self.concurrency is None else f", at most {self.concurrency} in flight"
-        return f"request rate {self.request_rate:g}/s{cap}"
-
-
-@dataclass(frozen=True)
-class LevelResult:
-    load: Load
-    metrics: BenchmarkMetrics
-    records: tuple[RequestRecord, ...]
 
 
 class LoadGenerator:

@@ -8,7 +8,7 @@ from pdserve.bench import compare
 from pdserve.bench.compare import CompareRow
 from pdserve.bench.metrics import RequestRecord, compute_metrics
 from pdserve.bench.offline import Measurement, synthetic_prompts
-from pdserve.bench.serving import LevelResult, Load
+from pdserve.bench.results import LevelResult, Load
 
 ROWS = [
     CompareRow("naive", 8, 25.0, 4),

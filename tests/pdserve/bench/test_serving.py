@@ -9,7 +9,8 @@ from itertools import islice
 import pytest
 
 from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.serving import Load, LoadGenerator, loads_from_args, parse_args
+from pdserve.bench.results import Load
+from pdserve.bench.serving import LoadGenerator, loads_from_args, parse_args
 from pdserve.bench.workloads import WorkloadConfig, iter_conversations
 
 
