@@ -1,4 +1,5 @@
 """Moves a request's KV pages from the prefill node to the decode node.
 
-One small interface (`base.py`), one file per transport: gRPC streaming (`grpc_transport.py`)
-and an in-process fake for unit tests (`fake.py`)."""
+One small interface (`base.py`: a sender opens one layer-wise stream per request; a receiver
+checks and stores what arrives), one file per transport: gRPC streaming (`grpc_transport.py`),
+same-host shared memory (`shm_transport.py`) and an in-process fake for unit tests (`fake.py`)."""
