@@ -1,100 +1,54 @@
-"""A whole cluster on one machine, one process per node: what `pdserve up` runs.
+"""A whole cluster on one machine, one process per node: what `pdserve up`, the benchmarks and the
+end-to-end tests run. The one supervisor of pdserve's processes.
 
 Lifecycle:
     1. start(): embedded Redis (unless the plan names one), then one child per node (prefill and
        decode, or a single colocated node) on free 127.0.0.1 ports, then the gateway
     2. wait_ready(): every node registered in Redis at its port, and the gateway's /health answers
-       200; a child that exits first stops everything and raises LaunchError with its exit code
-    3. serve_until_stopped(): until SIGINT/SIGTERM (run_up installs the handlers) or the gateway dies
-    4. stop(): SIGTERM each child, SIGKILL what is left after the grace period, stop embedded Redis
+       200 counting every registered node (it has seen them all); a child that exits first stops
+       everything and raises LaunchError with its exit code
+    3. while it runs: start_node() adds a named node and returns once it is registered and the
+       gateway counts it; send_signal() and stop_child() reach one child by its PID; log() reads
+       one child's log
+    4. serve_until_stopped() (`pdserve up`): until SIGINT/SIGTERM (run_up installs the handlers)
+       or the gateway dies
+    5. stop(): SIGTERM (and SIGCONT, for a child stopped by SIGSTOP) each child, SIGKILL what is
+       left after the grace period, stop embedded Redis
+
+`with Launcher(plan) as cluster:` runs 1 and 2 on entry and 5 on exit, exception or not.
 
 Each child writes stdout and stderr to its own file, `<log_dir>/<name>.log`, so an error can quote
 the tail of the one that failed. log_dir is a temp dir unless the plan names one; the temp dir is
-removed after a clean stop and kept (and named in the log) when a child failed.
+removed after a clean stop and kept (and named in the log) when a child or the `with` body failed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.cluster_state.embedded_redis import EmbeddedRedis, die_with_parent, free_port
-from pdserve.cluster_state.registry import RegistryView
+from pdserve.cluster_state.embedded_redis import EmbeddedRedis, die_with_parent
+from pdserve.cluster_state.registry import NodeInfo, RegistryView
+from pdserve.launch_plan import ChildSpec, LaunchPlan, default_command, distinct_free_ports
 
 logger = logging.getLogger(__name__)
 
-NODE_HOST = "127.0.0.1"
 POLL_S = 0.25
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    num_prefill: int = 1
-    num_decode: int = 1
-    redis_url: str | None = None  # None: start an embedded Redis
-    colocated: bool = False  # one colocated node instead of prefill + decode nodes
-    node_args: tuple[str, ...] = ()  # appended to every node's command (engine flags)
-    prefill_args: tuple[str, ...] = ()  # appended after node_args for prefill nodes only
-    gateway_args: tuple[str, ...] = ()  # appended to the gateway's command
-    ready_timeout_s: float = 300.0
-    log_dir: str | None = None
-
-    def __post_init__(self):
-        if not self.colocated and (self.num_prefill < 1 or self.num_decode < 1):
-            raise ValueError("a disaggregated cluster needs num_prefill >= 1 and num_decode >= 1 (or colocated=True)")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port {self.port} is out of range 1-65535")
-        if self.ready_timeout_s <= 0:
-            raise ValueError("ready_timeout_s must be positive")
-
-
-@dataclass(frozen=True)
-class ChildSpec:
-    """One child process: a node (name is its node_id) or the gateway (name "gateway")."""
-
-    name: str
-    role: str  # "prefill" | "decode" | "colocated" | "gateway"
-    model: str
-    host: str
-    port: int
-    redis_url: str
-    num_threads: int | None  # None for the gateway
-    extra_args: tuple[str, ...] = ()
-
-    @property
-    def is_node(self) -> bool:
-        return self.role != "gateway"
-
-
-def default_command(spec: ChildSpec) -> list[str]:
-    """`pdserve <role> ...` in this interpreter, per the per-component CLI contract."""
-    argv = [sys.executable, "-m", "pdserve.cli", spec.role, "--model", spec.model, "--host", spec.host]
-    argv += ["--port", str(spec.port), "--redis-url", spec.redis_url]
-    if spec.is_node:
-        argv += ["--node-id", spec.name, "--num-threads", str(spec.num_threads)]
-    return argv + list(spec.extra_args)
-
-
-def threads_per_node(num_nodes: int, cpu_count: int | None = None) -> int:
-    """Cores split evenly so torch in each node does not oversubscribe the machine."""
-    return max(1, (cpu_count or os.cpu_count() or 1) // num_nodes)
 
 
 class LaunchError(RuntimeError):
@@ -137,6 +91,15 @@ class Launcher:
         self._stop_requested = threading.Event()
         self._failed = False
 
+    def __enter__(self) -> Launcher:
+        self.start()
+        self.wait_ready()
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self._failed = self._failed or exc_type is not None  # keep the logs of a failed run
+        self.stop()
+
     @property
     def stop_requested(self) -> bool:
         return self._stop_requested.is_set()
@@ -144,6 +107,16 @@ class Launcher:
     def request_stop(self) -> None:
         """Safe from a signal handler: only sets a flag that the wait loops poll."""
         self._stop_requested.set()
+
+    @property
+    def base_url(self) -> str:
+        """The gateway's, as a client on this machine reaches it."""
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(self.plan.host, self.plan.host)
+        return f"http://{host}:{self.plan.port}"
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.base_url}/health"
 
     def start(self) -> None:
         ensure_port_free(self.plan.host, self.plan.port)
@@ -162,31 +135,56 @@ class Launcher:
         logger.info("started %d children; logs in %s", len(self.children), self.log_dir)
 
     def child_specs(self) -> list[ChildSpec]:
-        """The nodes (on distinct free ports), then the gateway."""
-        plan = self.plan
-        roles = ["colocated"] if plan.colocated else ["prefill"] * plan.num_prefill + ["decode"] * plan.num_decode
-        num_threads = threads_per_node(len(roles))
-        ports = distinct_free_ports(len(roles))
-        role_counts: dict[str, int] = {}
-        specs = []
-        for role, port in zip(roles, ports):
-            index = role_counts[role] = role_counts.get(role, -1) + 1
-            name = f"{role}-{index}"
-            args = plan.node_args + (plan.prefill_args if role == "prefill" else ())
-            specs.append(ChildSpec(name, role, plan.model, NODE_HOST, port, self.redis_url, num_threads, args))
-        gateway = ChildSpec(
-            "gateway", "gateway", plan.model, plan.host, plan.port, self.redis_url, None, plan.gateway_args
-        )
-        return specs + [gateway]
+        return self.plan.child_specs(self.redis_url)
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Block until the cluster serves; on failure stop everything and raise LaunchError."""
         try:
-            asyncio.run(self._wait_ready(timeout_s or self.plan.ready_timeout_s))
+            self._wait_for(self.children, timeout_s or self.plan.ready_timeout_s)
         except BaseException:
             self._failed = self._failed or not self.stop_requested  # keep logs unless merely interrupted
             self.stop()
             raise
+
+    def start_node(self, role: str, name: str, *flags: str, timeout_s: float | None = None) -> Child:
+        """After wait_ready: one more node, returned once it is registered and the gateway counts it.
+
+        A name may be used again once its child has exited (a restart); the new child's log is
+        appended to the same file. Raises LaunchError if the node exits or times out first; the
+        rest of the cluster keeps running either way.
+        """
+        previous = self.find(name)
+        if previous is not None and previous.process.poll() is None:
+            raise ValueError(f"{name} is still running; stop it first or pick another name")
+        busy = [child.spec.port for child in self.children if child.process.poll() is None]
+        (port,) = distinct_free_ports(1, busy)
+        child = self._spawn(self.plan.node_spec(role, name, port, self.redis_url, flags))
+        self._wait_for([child], timeout_s or self.plan.ready_timeout_s)
+        return child
+
+    def find(self, name: str) -> Child | None:
+        """The latest child of that name (a restarted node replaces the one before), or None."""
+        return next((child for child in reversed(self.children) if child.spec.name == name), None)
+
+    def child(self, name: str) -> Child:
+        child = self.find(name)
+        if child is None:
+            raise KeyError(f"no child named {name!r}; children: {', '.join(c.spec.name for c in self.children)}")
+        return child
+
+    def send_signal(self, name: str, sig: int) -> None:
+        """Signals one child by its PID (SIGSTOP, SIGCONT, ...); the launcher does not wait for it."""
+        self.child(name).process.send_signal(sig)
+
+    def stop_child(self, name: str, sig: int = signal.SIGTERM) -> int:
+        """Sends `sig` to one child, waits for it to exit (SIGKILL after the grace period), returns its code."""
+        child = self.child(name)
+        child.process.send_signal(sig)
+        return self._reap(child)
+
+    def log(self, name: str) -> str:
+        """Everything that child (and any earlier one of that name) wrote so far."""
+        return self.child(name).log_path.read_text(errors="replace")
 
     def serve_until_stopped(self) -> int:
         """After wait_ready: 0 once stop is requested, 1 if the gateway exits on its own.
@@ -213,25 +211,26 @@ class Launcher:
             logger.info("stopping %s", ", ".join(child.spec.name for child in alive))
         for child in alive:
             child.process.terminate()
+            child.process.send_signal(signal.SIGCONT)  # a stopped child acts on SIGTERM only once continued
         deadline = time.monotonic() + self.stop_grace_s
         for child in alive:
-            try:
-                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning(
-                    "%s (pid %d) ignored SIGTERM for %.0f s; killing it",
-                    child.spec.name,
-                    child.process.pid,
-                    self.stop_grace_s,
-                )
-                child.process.kill()
-                child.process.wait()
+            self._reap(child, deadline)
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
         self._clean_log_dir()
 
-    def _spawn(self, spec: ChildSpec) -> None:
+    def _reap(self, child: Child, deadline: float | None = None) -> int:
+        """Waits for one signalled child until `deadline` (default: the grace period), then kills it."""
+        timeout_s = self.stop_grace_s if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return child.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s (pid %d) is still running; killing it", child.spec.name, child.process.pid)
+            child.process.kill()
+            return child.process.wait()
+
+    def _spawn(self, spec: ChildSpec) -> Child:
         log_path = self.log_dir / f"{spec.name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # so a crash's last words reach the log
         if spec.num_threads is not None:
@@ -247,56 +246,46 @@ class Launcher:
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )
-        self.children.append(Child(spec, process, log_path))
+        child = Child(spec, process, log_path)
+        self.children.append(child)
         logger.info("started %s (pid %d) on %s:%d", spec.name, process.pid, spec.host, spec.port)
+        return child
 
-    async def _wait_ready(self, timeout_s: float) -> None:
+    def _wait_for(self, children: list[Child], timeout_s: float) -> None:
+        """Until `children` are up and the gateway has seen every registered node; raises LaunchError."""
+        asyncio.run(self._poll_until_up(children, timeout_s))
+
+    async def _poll_until_up(self, children: list[Child], timeout_s: float) -> None:
         view = RegistryView(self.redis_url)
         deadline = time.monotonic() + timeout_s
         try:
             while True:
-                self._raise_if_child_exited()
+                raise_if_exited(children)
                 if self.stop_requested:
                     raise LaunchError("stopped before the cluster was ready")
-                missing = await self._missing(view)
+                missing = await self._missing(view, children)
                 if not missing:
                     return
                 if time.monotonic() > deadline:
                     raise LaunchError(
-                        f"not ready after {timeout_s:.0f} s, still waiting for {', '.join(missing)}; logs in {self.log_dir}"
+                        f"not ready after {timeout_s:.0f} s, still waiting for {', '.join(missing)}; "
+                        f"logs in {self.log_dir}"
                     )
                 await asyncio.sleep(POLL_S)
         finally:
             await view.stop()
 
-    async def _missing(self, view: RegistryView) -> list[str]:
-        """What is not up yet: node_ids not registered at their port, and the gateway's health."""
+    async def _missing(self, view: RegistryView, children: list[Child]) -> list[str]:
+        """What is not up yet: nodes not registered at their port, and the gateway's /health
+        (not answering 200, or counting fewer nodes of some role than Redis holds)."""
         await view.refresh()
         node_id_to_port = {info.node_id: info.address.rsplit(":", 1)[-1] for info in view.nodes()}
         missing = [
-            c.spec.name
-            for c in self.children
-            if c.spec.is_node and node_id_to_port.get(c.spec.name) != str(c.spec.port)
+            c.spec.name for c in children if c.spec.is_node and node_id_to_port.get(c.spec.name) != str(c.spec.port)
         ]
-        if not await asyncio.to_thread(http_ok, self.health_url):
+        if not await asyncio.to_thread(gateway_counts_all, self.health_url, view.nodes()):
             missing.append("gateway /health")
         return missing
-
-    @property
-    def health_url(self) -> str:
-        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(self.plan.host, self.plan.host)
-        return f"http://{host}:{self.plan.port}/health"
-
-    def _raise_if_child_exited(self) -> None:
-        for child in self.children:
-            returncode = child.process.poll()
-            if returncode is not None:
-                raise LaunchError(
-                    f"{child.spec.name} exited with code {returncode} before the cluster was ready; "
-                    f"last lines of {child.log_path}:\n{child.log_tail()}",
-                    child_name=child.spec.name,
-                    returncode=returncode,
-                )
 
     def _newly_exited(self) -> list[Child]:
         exited = [c for c in self.children if not c.reported_exit and c.process.poll() is not None]
@@ -314,6 +303,27 @@ class Launcher:
         self.log_dir = None
 
 
+def raise_if_exited(children: list[Child]) -> None:
+    for child in children:
+        returncode = child.process.poll()
+        if returncode is not None:
+            raise LaunchError(
+                f"{child.spec.name} exited with code {returncode} before the cluster was ready; "
+                f"last lines of {child.log_path}:\n{child.log_tail()}",
+                child_name=child.spec.name,
+                returncode=returncode,
+            )
+
+
+def gateway_counts_all(health_url: str, nodes: list[NodeInfo]) -> bool:
+    """The gateway is healthy and its /health counts at least `nodes` per role: it has seen them."""
+    body = http_json(health_url)
+    if body is None:
+        return False
+    num_nodes = body.get("num_nodes", {})
+    return all(num_nodes.get(role, 0) >= count for role, count in Counter(info.role for info in nodes).items())
+
+
 def ensure_port_free(host: str, port: int) -> None:
     """Refuse a busy gateway port up front: something else answering /health would look ready."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -326,23 +336,15 @@ def ensure_port_free(host: str, port: int) -> None:
             ) from error
 
 
-def distinct_free_ports(count: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < count:
-        port = free_port(NODE_HOST)
-        if port not in ports:  # the OS may hand back a port it just gave us
-            ports.append(port)
-    return ports
-
-
-def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+def http_json(url: str, timeout_s: float = 1.0) -> dict | None:
+    """The JSON body of a 200 answer; None for any other answer, or none."""
     # No proxies: an http_proxy in the environment must not intercept a local health check.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(url, timeout=timeout_s) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+            return json.loads(response.read()) if response.status == 200 else None
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
 
 
 def run_up(plan: LaunchPlan, command_for: Callable[[ChildSpec], list[str]] = default_command) -> int:
@@ -350,14 +352,12 @@ def run_up(plan: LaunchPlan, command_for: Callable[[ChildSpec], list[str]] = def
     launcher = Launcher(plan, command_for)
     previous = {sig: signal.signal(sig, lambda *_: launcher.request_stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        launcher.start()
-        launcher.wait_ready()
-        print(f"ready on http://{plan.host}:{plan.port}", flush=True)
-        return launcher.serve_until_stopped()
+        with launcher:
+            print(f"ready on http://{plan.host}:{plan.port}", flush=True)
+            return launcher.serve_until_stopped()
     except LaunchError as error:
         logger.error("%s", error)
         return 130 if launcher.stop_requested else 1
     finally:
-        launcher.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -11,34 +11,36 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pdserve.cluster_state.embedded_redis import EmbeddedRedis, free_port
 from pdserve.cluster_state.registry import RegistryView
-from pdserve.launcher import ChildSpec, Launcher, LaunchError, LaunchPlan, default_command, threads_per_node
+from pdserve.launch_plan import ChildSpec, LaunchPlan, default_command, threads_per_node
+from pdserve.launcher import Launcher, LaunchError
 from tests.pdserve.cluster_state.test_embedded_redis import pid_alive
 
 pytestmark = pytest.mark.timeout(120)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# Parses exactly the node flags of the contract, registers in Redis, leaves on SIGTERM.
+# Parses the node flags of the contract (and prints any others), registers in Redis, leaves on SIGTERM.
 FAKE_NODE = """
 import argparse, asyncio, signal
-from pdserve.cluster_state.registry import NodeCapacity, NodeInfo, NodeLoad, NodeRegistration
+from pdserve.cluster_state.registry import NodeCapacity, NodeInfo, NodeRegistration
 
 parser = argparse.ArgumentParser()
 parser.add_argument("role")
 for flag in ("--model", "--host", "--port", "--redis-url", "--node-id", "--num-threads"):
     parser.add_argument(flag, required=True)
-args = parser.parse_args()
-print(f"fake {args.role} {args.node_id} num_threads={args.num_threads}", flush=True)
+args, extra = parser.parse_known_args()
+print(f"fake {args.role} {args.node_id} num_threads={args.num_threads} extra={' '.join(extra)}", flush=True)
 
 async def main():
     capacity = NodeCapacity(num_blocks=8, block_size=16, max_num_seqs=2, max_num_batched_tokens=64)
     address = f"{args.host}:{args.port}"
     info = NodeInfo(node_id=args.node_id, role=args.role, address=address, model=args.model, capacity=capacity)
-    registration = NodeRegistration(args.redis_url, info, NodeLoad, interval_s=0.2, ttl_s=1.0)
+    registration = NodeRegistration(args.redis_url, info, lambda: info.load, interval_s=0.2, ttl_s=1.0)
     await registration.start()
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -48,20 +50,29 @@ async def main():
 asyncio.run(main())
 """
 
-# Parses the gateway flags and answers GET /health with 200.
+# Parses the gateway flags; GET /health answers 200 with the nodes registered in Redis per role,
+# or (with --blind) with none, like a gateway that has not seen them yet.
 FAKE_GATEWAY = """
-import argparse, http.server
+import argparse, collections, http.server, json, redis
 
 parser = argparse.ArgumentParser()
 parser.add_argument("role")
 for flag in ("--model", "--host", "--port", "--redis-url"):
     parser.add_argument(flag, required=True)
+parser.add_argument("--blind", action="store_true")
 args = parser.parse_args()
+client = redis.Redis.from_url(args.redis_url)
+
+def num_nodes():
+    keys = [] if args.blind else list(client.scan_iter("pdserve:node:*"))
+    return collections.Counter(json.loads(value)["role"] for value in client.mget(keys) if value) if keys else {}
 
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        body = json.dumps({"status": "ok", "num_nodes": num_nodes()}).encode()
         self.send_response(200 if self.path == "/health" else 404)
         self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *_):
         pass
@@ -70,7 +81,10 @@ http.server.HTTPServer((args.host, int(args.port)), Health).serve_forever()
 """
 
 CRASH = "import sys; print('boom: weights not found', flush=True); sys.exit(3)"
-IGNORE_SIGTERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+IGNORE_SIGTERM = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ignoring SIGTERM', flush=True); "
+    "time.sleep(60)"
+)
 
 
 @pytest.fixture
@@ -107,94 +121,103 @@ def registered_node_ids(redis_url: str) -> list[str]:
     return asyncio.run(read())
 
 
-def test_threads_are_split_between_nodes():
-    assert threads_per_node(3, cpu_count=16) == 5
-    assert threads_per_node(2, cpu_count=2) == 1
-    assert threads_per_node(4, cpu_count=2) == 1  # never zero
-
-
-def test_plan_rejects_an_empty_disaggregated_cluster():
-    with pytest.raises(ValueError, match="num_decode >= 1"):
-        LaunchPlan(model="m", num_decode=0)
-    LaunchPlan(model="m", num_prefill=0, num_decode=0, colocated=True)
-
-
-def test_child_specs_and_default_commands():
+def test_with_block_runs_a_ready_cluster_and_stops_every_child_and_redis(fakes, tmp_path):
     plan = LaunchPlan(
         model="m",
-        host="0.0.0.0",
-        port=9000,
+        port=free_port(),
         num_prefill=2,
         num_decode=1,
-        redis_url="redis://r:1/0",
-        node_args=("--kv-cache-gib", "0.5"),
+        node_args=("--kv-cache-gib", "0.05"),
+        prefill_args=("--max-num-batched-tokens", "32"),
+        log_dir=str(tmp_path / "logs"),
     )
-    specs = Launcher(plan).child_specs()
-    assert [(s.name, s.role) for s in specs] == [
-        ("prefill-0", "prefill"),
-        ("prefill-1", "prefill"),
-        ("decode-0", "decode"),
-        ("gateway", "gateway"),
-    ]
-    node_ports = [s.port for s in specs[:3]]
-    assert len(set(node_ports)) == 3 and all(s.host == "127.0.0.1" for s in specs[:3])
-    assert specs[0].num_threads == threads_per_node(3)
-    assert default_command(specs[2]) == [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "decode",
-        "--model",
-        "m",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(node_ports[2]),
-        "--redis-url",
-        "redis://r:1/0",
-        "--node-id",
-        "decode-0",
-        "--num-threads",
-        str(threads_per_node(3)),
-        "--kv-cache-gib",
-        "0.5",
-    ]
-    assert default_command(specs[3]) == [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "gateway",
-        "--model",
-        "m",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        "9000",
-        "--redis-url",
-        "redis://r:1/0",
-    ]
-
-
-def test_colocated_plan_runs_one_node():
-    plan = LaunchPlan(model="m", colocated=True, redis_url="redis://r:1/0")
-    specs = Launcher(plan).child_specs()
-    assert [(s.name, s.role) for s in specs] == [("colocated-0", "colocated"), ("gateway", "gateway")]
-    assert specs[0].num_threads == threads_per_node(1)
-
-
-def test_ready_then_stop_ends_every_child_and_redis(fakes, tmp_path):
-    plan = LaunchPlan(model="m", port=free_port(), num_prefill=2, num_decode=1, log_dir=str(tmp_path / "logs"))
-    launcher = Launcher(plan, command_for=fakes())
-    launcher.start()
-    try:
-        launcher.wait_ready(timeout_s=60)
-        assert registered_node_ids(launcher.redis_url) == ["decode-0", "prefill-0", "prefill-1"]
-        redis_pid = launcher._redis.pid
-        pids = [child.process.pid for child in launcher.children]
-    finally:
-        launcher.stop()
+    with Launcher(plan, command_for=fakes()) as cluster:
+        assert registered_node_ids(cluster.redis_url) == ["decode-0", "prefill-0", "prefill-1"]
+        health = httpx.get(f"{cluster.base_url}/health").json()
+        assert health["num_nodes"] == {"prefill": 2, "decode": 1}
+        redis_pid = cluster._redis.pid
+        pids = [child.process.pid for child in cluster.children]
+        logs = {name: cluster.log(name) for name in ("prefill-1", "decode-0")}
     assert all(not pid_alive(pid) for pid in pids + [redis_pid])
-    assert f"num_threads={threads_per_node(3)}" in (tmp_path / "logs" / "prefill-1.log").read_text()
+    num_threads = threads_per_node(3)
+    assert logs == {
+        "prefill-1": f"fake prefill prefill-1 num_threads={num_threads} extra=--kv-cache-gib 0.05 "
+        "--max-num-batched-tokens 32\n",
+        "decode-0": f"fake decode decode-0 num_threads={num_threads} extra=--kv-cache-gib 0.05\n",
+    }
+
+
+def test_with_block_stops_everything_when_its_body_raises_and_keeps_the_logs(fakes):
+    plan = LaunchPlan(model="m", port=free_port(), colocated=True, num_threads=1)  # default temp log dir
+    with pytest.raises(RuntimeError, match="the body failed"), Launcher(plan, command_for=fakes()) as cluster:
+        pids = [child.process.pid for child in cluster.children]
+        log_dir = cluster.log_dir
+        raise RuntimeError("the body failed")
+    try:
+        assert all(not pid_alive(pid) for pid in pids)
+        assert (log_dir / "colocated-0.log").read_text() == "fake colocated colocated-0 num_threads=1 extra=\n"
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def test_start_node_adds_a_named_node_and_a_stopped_name_restarts(fakes, tmp_path):
+    plan = LaunchPlan(model="m", port=free_port(), log_dir=str(tmp_path / "logs"), num_threads=1)
+    with Launcher(plan, command_for=fakes()) as cluster:
+        late = cluster.start_node("decode", "decode-late", "--kv-transport", "grpc")
+        assert registered_node_ids(cluster.redis_url) == ["decode-0", "decode-late", "prefill-0"]
+        assert httpx.get(f"{cluster.base_url}/health").json()["num_nodes"] == {"prefill": 1, "decode": 2}
+        with pytest.raises(ValueError, match="decode-late is still running"):
+            cluster.start_node("decode", "decode-late")
+        assert cluster.stop_child("decode-late", signal.SIGKILL) == -signal.SIGKILL
+        restarted = cluster.start_node("decode", "decode-late")
+        assert cluster.child("decode-late") is restarted and restarted.process.pid != late.process.pid
+        assert restarted.spec.port != late.spec.port
+        assert cluster.log("decode-late") == (
+            "fake decode decode-late num_threads=1 extra=--kv-transport grpc\n"
+            "fake decode decode-late num_threads=1 extra=\n"
+        )
+        assert cluster.stop_child("decode-late") == 0  # SIGTERM: it deregisters and exits cleanly
+        assert registered_node_ids(cluster.redis_url) == ["decode-0", "prefill-0"]
+
+
+def test_a_node_that_dies_while_starting_raises_and_the_cluster_keeps_running(fakes, tmp_path):
+    plan = LaunchPlan(model="m", port=free_port(), log_dir=str(tmp_path / "logs"))
+    with Launcher(plan, command_for=fakes({"prefill-9": CRASH})) as cluster:
+        with pytest.raises(LaunchError, match="prefill-9 exited with code 3") as caught:
+            cluster.start_node("prefill", "prefill-9")
+        assert (caught.value.child_name, caught.value.returncode) == ("prefill-9", 3)
+        assert all(cluster.child(name).process.poll() is None for name in ("prefill-0", "decode-0", "gateway"))
+
+
+def test_a_node_stopped_by_sigstop_still_stops_cleanly(fakes, tmp_path):
+    plan = LaunchPlan(model="m", port=free_port(), colocated=True, log_dir=str(tmp_path / "logs"))
+    cluster = Launcher(plan, command_for=fakes(), stop_grace_s=20)
+    with cluster:
+        node = cluster.child("colocated-0").process
+        cluster.send_signal("colocated-0", signal.SIGSTOP)
+        wait_for_state(node.pid, "T")
+        cluster.send_signal("colocated-0", signal.SIGCONT)
+        wait_for_state(node.pid, "S")
+        cluster.send_signal("colocated-0", signal.SIGSTOP)
+        wait_for_state(node.pid, "T")
+        started = time.monotonic()
+    assert node.returncode == 0  # SIGTERM handled once continued: not killed after the grace period
+    assert time.monotonic() - started < 10
+
+
+def wait_for_log(launcher: Launcher, name: str, text: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in launcher.log(name):
+        assert time.monotonic() < deadline, f"{name} never logged {text!r}"
+        time.sleep(0.05)
+
+
+def wait_for_state(pid: int, state: str, timeout_s: float = 10) -> None:
+    """Until /proc says the process is in `state` (T: stopped, S: sleeping)."""
+    deadline = time.monotonic() + timeout_s
+    while (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != state:
+        assert time.monotonic() < deadline, f"pid {pid} never reached state {state}"
+        time.sleep(0.05)
 
 
 def test_child_that_exits_early_fails_wait_ready_with_its_code_and_log(fakes):
@@ -224,11 +247,20 @@ def test_timeout_names_what_is_missing(fakes, tmp_path):
     assert all(not pid_alive(child.process.pid) for child in launcher.children)
 
 
+def test_a_healthy_gateway_that_has_not_seen_the_nodes_is_not_ready(fakes, tmp_path):
+    logs = tmp_path / "logs"
+    plan = LaunchPlan(model="m", port=free_port(), gateway_args=("--blind",), ready_timeout_s=3, log_dir=str(logs))
+    launcher = Launcher(plan, command_for=fakes())
+    with pytest.raises(LaunchError, match=f"still waiting for gateway /health; logs in {logs}"):
+        launcher.__enter__()  # what `with` runs first; it stops the cluster itself when it raises
+    assert all(not pid_alive(child.process.pid) for child in launcher.children)
+
+
 def test_stop_kills_a_child_that_ignores_sigterm(fakes):
     plan = LaunchPlan(model="m", port=free_port(), colocated=True)
     launcher = Launcher(plan, command_for=fakes({"colocated-0": IGNORE_SIGTERM}), stop_grace_s=0.5)
     launcher.start()
-    time.sleep(0.5)  # let it install its SIG_IGN
+    wait_for_log(launcher, "colocated-0", "ignoring SIGTERM")
     stubborn, log_dir = launcher.children[0].process, launcher.log_dir
     launcher.stop()
     assert stubborn.returncode == -signal.SIGKILL
