@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 MODEL  ?= smollm2-135m
 
-.PHONY: up test install model bench clean
+.PHONY: up test check install model bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,13 @@ install: $(STAMP)
 model: install
 	$(VENV)/bin/pdserve fetch-model --model $(MODEL)
 
-test: model
+# Lint, format and the import layers first: they take a second and fail fast.
+check: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+
+test: check model
 	$(PY) -m pytest tests
 
 up: model
