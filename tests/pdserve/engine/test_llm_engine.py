@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from pdserve.engine import CacheConfig, EngineConfig, EngineLoad, HeldPrompt, LLMEngine, SamplingParams, SchedulerConfig
 from tests.factories import TINY_VOCAB, assert_greedy_equal, reference_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -133,3 +134,58 @@ def test_rejects_prompts_that_cannot_fit(tiny_llama_path):
         engine.add_request("long", random_prompt(10, seed=1), SamplingParams(max_tokens=600))
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request("bad", [TINY_VOCAB + 1], GREEDY)
+
+
+class RecordingStorage:
+    """A KvCacheStorage that hands out one preallocated tensor and records the spec it was asked for."""
+
+    def __init__(self) -> None:
+        self.spec = None
+        self.tensor = None
+
+    def allocate(self, spec):
+        self.spec = spec
+        self.tensor = torch.full(spec.shape, float("nan"), dtype=spec.dtype).zero_()
+        return self.tensor
+
+
+def test_the_engine_keeps_its_kv_cache_in_the_storage_its_caller_provides(tiny_llama_path):
+    storage = RecordingStorage()
+    config = EngineConfig(model=str(tiny_llama_path), cache=CacheConfig(block_size=16, num_blocks=24))
+    engine = LLMEngine(config, kv_storage=storage)
+    num_layers, num_kv_heads, head_dim = 2, 2, 16  # tests/factories.py tiny_config
+    assert storage.spec.shape == (num_layers, 2, 24, 16, num_kv_heads, head_dim)
+    assert all(k.data_ptr() == storage.tensor[layer, 0].data_ptr() for layer, (k, _) in enumerate(engine.kv_caches))
+    prompt = random_prompt(40, seed=3)
+    (out,) = engine.generate([prompt], GREEDY)
+    assert out.token_ids == make_engine(tiny_llama_path).generate([prompt], GREEDY)[0].token_ids
+    assert storage.tensor[:, :, :3].abs().sum() > 0  # the prompt's three blocks were written there
+
+
+def test_the_layer_hook_sees_every_layer_of_the_step_that_completes_a_held_prompt(tiny_llama_path):
+    calls = []
+    config = EngineConfig(model=str(tiny_llama_path), cache=CacheConfig(block_size=16, num_blocks=24))
+    engine = LLMEngine(config, layer_hook=lambda layer, held: calls.append((layer, held)))
+    engine.add_request("plain", random_prompt(20, seed=1), SamplingParams(max_tokens=1))
+    engine.add_request("held", random_prompt(40, seed=2), SamplingParams(max_tokens=1), hold_kv=True)
+    engine.step()
+    assert [layer for layer, _ in calls] == [0, 1]
+    held_block_ids = engine.block_ids("held")
+    assert all(held == [HeldPrompt("held", held_block_ids)] for _, held in calls)
+    assert len(held_block_ids) == 3
+    engine.release_kv("held")
+    calls.clear()
+    engine.add_request("later", random_prompt(20, seed=4), SamplingParams(max_tokens=1))
+    engine.step()
+    assert calls == []  # no held prompt in the step: the hook is not called
+
+
+def test_load_counts_waiting_tokens_running_sequences_free_blocks_and_pending_transfers(tiny_llama_path):
+    engine = make_engine(tiny_llama_path, num_blocks=24, max_num_batched_tokens=32)
+    assert engine.load() == EngineLoad(num_free_blocks=24)
+    engine.add_request("a", random_prompt(40, seed=1), GREEDY)
+    assert engine.load() == EngineLoad(num_waiting_tokens=40, num_free_blocks=24)
+    engine.step()  # a 32-token chunk of the 40-token prompt
+    assert engine.load() == EngineLoad(num_waiting_tokens=8, num_running=1, num_free_blocks=22)
+    assert engine.reserve_prefilled("b", random_prompt(17, seed=2), GREEDY) is not None
+    assert engine.load() == EngineLoad(num_waiting_tokens=8, num_running=1, num_free_blocks=20, num_pending_transfers=1)

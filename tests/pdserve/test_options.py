@@ -1,0 +1,83 @@
+"""Each option is defined once (pdserve/options.py): flags, environment variables and the flags
+`pdserve up` hands its children all come from the same fields."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from gateway.settings import GatewaySettings, RouterOptions, RoutingPolicy
+from pdserve.cli import build_parser
+from pdserve.engine.config import SchedulerConfig
+from pdserve.options import (
+    EngineOptions,
+    KvTransferOptions,
+    NodeSettings,
+    UpSettings,
+    add_flags,
+    settings_from_args,
+    to_flags,
+)
+
+
+def parse(settings_cls, argv: list[str]):
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(parser, settings_cls)
+    return settings_from_args(settings_cls, parser.parse_args(argv), parser)
+
+
+def test_flag_defaults_are_the_engines_own():
+    settings = parse(NodeSettings, [])
+    assert settings.max_num_seqs == SchedulerConfig.max_num_seqs == 64
+    assert settings.engine_config() == EngineOptions().engine_config()
+    assert settings.engine_config().cache.kv_cache_memory_bytes == 1 << 30
+
+
+def test_flags_reach_the_engine_config():
+    argv = ["--max-num-seqs", "8", "--kv-cache-gib", "0.5", "--no-prefix-caching", "--dtype", "bfloat16"]
+    config = parse(NodeSettings, argv).engine_config()
+    assert config.scheduler.max_num_seqs == 8
+    assert config.cache.kv_cache_memory_bytes == 1 << 29
+    assert config.cache.enable_prefix_caching is False
+    assert config.dtype == "bfloat16"
+
+
+def test_environment_variables_fill_what_flags_do_not_give(monkeypatch):
+    monkeypatch.setenv("PDSERVE_NODE_MAX_NUM_SEQS", "12")
+    monkeypatch.setenv("PDSERVE_NODE_KV_TRANSPORT", "grpc")
+    settings = parse(NodeSettings, ["--kv-transport", "shm"])
+    assert settings.max_num_seqs == 12
+    assert settings.kv_transport == "shm"  # the flag wins over the environment
+
+
+def test_a_bad_value_is_a_usage_error_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse(NodeSettings, ["--max-num-seqs", "0"])
+    assert exit_info.value.code == 2
+    assert "--max-num-seqs: Input should be greater than or equal to 1" in capsys.readouterr().err
+    with pytest.raises(argparse.ArgumentError, match="invalid choice"):
+        parse(NodeSettings, ["--kv-transport", "carrier-pigeon"])
+
+
+def test_up_hands_its_nodes_and_gateway_the_same_values_through_the_same_fields():
+    up = parse(UpSettings, ["--max-num-seqs", "8", "--no-prefix-caching", "--router-policy", "least_load"])
+    node_flags = to_flags(up, EngineOptions, KvTransferOptions, exclude={"model"})
+    node = parse(NodeSettings, ["--redis-url", "redis://r:1/0", *node_flags])
+    assert {name: getattr(node, name) for name in EngineOptions.model_fields} == {
+        name: getattr(up, name) for name in EngineOptions.model_fields
+    }
+    assert node.kv_transport == up.kv_transport and node.kv_timeout_s == up.kv_timeout_s
+    gateway = parse(GatewaySettings, to_flags(up, RouterOptions))
+    assert gateway.router_policy is RoutingPolicy.LEAST_LOAD
+    assert gateway.router_load_factor == up.router_load_factor
+
+
+def test_every_field_of_every_command_has_a_flag_and_help():
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for command, settings_cls in [("prefill", NodeSettings), ("gateway", GatewaySettings), ("up", UpSettings)]:
+        actions = {action.dest: action for action in commands[command]._actions}
+        for name, field in settings_cls.model_fields.items():
+            assert name in actions, f"pdserve {command} has no flag for {name}"
+            assert field.description and field.description in actions[name].help
