@@ -137,6 +137,12 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], only: Col
             parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text, **_flag_kwargs(field))
 
 
+def add_model_flag(parser: argparse.ArgumentParser) -> None:
+    """`--model` for commands that parse their own flags (the benchmarks), from EngineOptions' field."""
+    field = EngineOptions.model_fields["model"]
+    parser.add_argument("--model", default=field.default, help=f"{field.description} (default: {field.default})")
+
+
 def settings_from_args(model: type[BaseModel], args: argparse.Namespace, parser: argparse.ArgumentParser):
     """The settings from the given flags (and the environment); a bad value exits with usage."""
     given = {name: getattr(args, name) for name in model.model_fields if hasattr(args, name)}

@@ -40,6 +40,7 @@ from pdserve.bench.metrics import Distribution
 from pdserve.bench.results import LevelResult, Load
 from pdserve.bench.serving import run_benchmark
 from pdserve.bench.workloads import Conversation, user
+from pdserve.options import add_model_flag
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ def describe_run(args: argparse.Namespace, seconds: float) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pdserve bench compare", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", help="alias, Hugging Face folder or .gguf file")
+    add_model_flag(parser)
     parser.add_argument("--concurrency", type=offline.int_list, default=[1, 8, 32], help="e.g. 1,8,32")
     parser.add_argument("--input-len", type=int, default=200, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request")

@@ -9,7 +9,7 @@ For each topology, clusters on this machine (`pdserve.launcher`):
      `--long-every-s` seconds, the cores split between the node processes as `pdserve up`
      does; the inter-token latencies of the 16 streams give p50/p99.
 
-    pdserve bench interference [--model smollm2-135m] [--stream-tokens 192]
+    pdserve bench interference [--model M] [--stream-tokens 192]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import httpx
 
 from pdserve.cluster_state.embedded_redis import free_port
 from pdserve.launcher import Launcher, LaunchPlan
+from pdserve.options import add_model_flag
 
 NUM_STREAMS = 16
 
@@ -139,7 +140,7 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pdserve bench interference", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    add_model_flag(parser)
     parser.add_argument("--stream-tokens", type=int, default=192)
     parser.add_argument("--long-every-s", type=float, default=2.0)
     args = parser.parse_args(argv)

@@ -37,6 +37,7 @@ from transformers.generation import ContinuousBatchingConfig
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.model_loader import resolve_model
+from pdserve.options import add_model_flag
 
 logger = logging.getLogger(__name__)
 
@@ -310,7 +311,7 @@ def build_runners(model: str, systems: Sequence[str]) -> tuple[dict[str, Runner]
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pdserve bench offline", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", help="alias, Hugging Face folder or .gguf file")
+    add_model_flag(parser)
     parser.add_argument("--concurrency", type=int_list, default=[1, 8, 32], help="e.g. 1,8,32")
     parser.add_argument("--input-len", type=int, default=200, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request")

@@ -30,6 +30,7 @@ from pdserve.bench.metrics import Distribution
 from pdserve.bench.results import LevelResult, Load
 from pdserve.bench.serving import run_benchmark
 from pdserve.bench.workloads import WorkloadConfig, iter_conversations
+from pdserve.options import add_model_flag
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def _reasons(decisions: Counter[str]) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pdserve bench routing", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    add_model_flag(parser)
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--num-prefixes", type=int, default=4)
