@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -13,9 +14,14 @@ EXPECTED_TOP_LEVEL = {"pdserve", "gateway", "prefill_service", "decode_service",
 
 
 def test_the_wheel_installs_only_the_named_top_level_packages(tmp_path):
+    # Built from a copy of the project (what `pip install .` reads), so no build/ lands in the checkout.
+    source = tmp_path / "source"
+    shutil.copytree(
+        REPO_ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build")
+    )
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), "."],
-        cwd=REPO_ROOT,
+        cwd=source,
         check=True,
         capture_output=True,
         timeout=300,
