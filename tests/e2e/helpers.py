@@ -1,94 +1,25 @@
-"""Starting and stopping pdserve's real processes for end-to-end tests (127.0.0.1 only)."""
+"""What the end-to-end tests share besides the launcher that runs their clusters: a test plan,
+bounded waits on real conditions, and readers of the gateway's /health and /metrics."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
-import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.cluster_state.embedded_redis import EmbeddedRedis, free_port
-from pdserve.cluster_state.registry import node_key
+from pdserve.cluster_state.embedded_redis import free_port
+from pdserve.launch_plan import LaunchPlan
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+NODE_ARGS = ("--kv-cache-gib", "0.05")  # tiny models: a small KV cache starts fast
 
 
-class ProcessGroup:
-    """Children started by one test module; each is stopped by its own PID."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.processes: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "w")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", *args],
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.processes[name] = process
-        return process
-
-    def start_node(self, role: str, name: str, model: str, redis_url: str, *extra: str) -> subprocess.Popen:
-        return self.start(
-            name,
-            role,
-            "--model",
-            model,
-            "--redis-url",
-            redis_url,
-            "--node-id",
-            name,
-            "--num-threads",
-            "1",
-            "--kv-cache-gib",
-            "0.05",
-            *extra,
-        )
-
-    def start_gateway(self, model: str, redis_url: str, *extra: str) -> str:
-        port = free_port()
-        self.start("gateway", "gateway", "--model", model, "--port", str(port), "--redis-url", redis_url, *extra)
-        return f"http://127.0.0.1:{port}"
-
-    def start_cluster(self, model: str, redis_url: str, nodes: Sequence[tuple[str, ...]], *gateway_args: str) -> str:
-        """Starts `(role, name, *flags)` nodes and the gateway; returns the gateway's URL once
-        every node is registered in Redis and the gateway is healthy."""
-        for role, name, *extra in nodes:
-            self.start_node(role, name, model, redis_url, *extra)
-        base_url = self.start_gateway(model, redis_url, *gateway_args)
-        client = redis.Redis.from_url(redis_url)
-        names = [node[1] for node in nodes]
-        wait_until(lambda: all(client.exists(node_key(name)) for name in names), 120, f"{len(names)} nodes to register")
-        wait_until(lambda: healthy(base_url), 60, "the gateway to be healthy")
-        return base_url
-
-    def log(self, name: str) -> str:
-        return (self.log_dir / f"{name}.log").read_text()
-
-    def stop(self, name: str, sig: int = signal.SIGTERM) -> int:
-        process = self.processes.pop(name)
-        process.send_signal(sig)
-        try:
-            return process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            return process.wait()
-
-    def stop_all(self) -> None:
-        for name in list(self.processes):
-            self.stop(name)
+def e2e_plan(model: str, log_dir: Path, **fields) -> LaunchPlan:
+    """A cluster on the gateway's free port with one torch thread per node (2 CPUs shared by all)."""
+    fields["node_args"] = NODE_ARGS + tuple(fields.get("node_args", ()))
+    return LaunchPlan(model=model, port=free_port(), num_threads=1, ready_timeout_s=180, log_dir=str(log_dir), **fields)
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
@@ -108,18 +39,9 @@ def healthy(base_url: str) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def running_cluster(model: str, log_dir: Path, nodes: Sequence[tuple[str, ...]], *gateway_args: str) -> Iterator[dict]:
-    """An embedded Redis, `(role, name, *flags)` nodes and a gateway, stopped on exit; yields
-    {"model", "redis_url", "base_url", "group"} once the gateway has seen every node."""
-    group = ProcessGroup(log_dir)
-    with EmbeddedRedis() as embedded:
-        try:
-            base_url = group.start_cluster(model, embedded.url, nodes, *gateway_args)
-            time.sleep(1.0)  # the gateway's registry snapshot refreshes every 0.5 s: let it see them all
-            yield {"model": model, "redis_url": embedded.url, "base_url": base_url, "group": group}
-        finally:
-            group.stop_all()
+def gateway_num_nodes(base_url: str) -> dict[str, int]:
+    """Nodes per role in the gateway's registry snapshot, as its /health counts them."""
+    return httpx.get(f"{base_url}/health", timeout=5).json().get("num_nodes", {})
 
 
 def metric_samples(base_url: str, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:

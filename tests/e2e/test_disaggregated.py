@@ -8,13 +8,13 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import openai
 import pytest
 import redis
 
-from tests.e2e.processes import REPO_ROOT, routed_counts, running_cluster, wait_until
+from pdserve.launcher import Launcher
+from tests.e2e.helpers import REPO_ROOT, e2e_plan, gateway_num_nodes, routed_counts, wait_until
 from tests.factories import build_tiny_chat_model
 
 QUESTIONS = [f"Question {i}: tell me about the number {i * 7}." for i in range(16)]
@@ -28,15 +28,17 @@ def num_registered(redis_url: str, prefix: str = "pdserve:node:") -> int:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     model = str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
-    nodes = [("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1")]
     # Load-based routing: these tests are about nodes joining and leaving. (prefix_aware
     # would keep chats on the decode nodes that already cache the chat template's blocks.)
-    with running_cluster(model, tmp_path_factory.mktemp("logs"), nodes, "--router-policy", "least_load") as running:
-        yield running
+    plan = e2e_plan(
+        model, tmp_path_factory.mktemp("logs"), num_decode=2, gateway_args=("--router-policy", "least_load")
+    )
+    with Launcher(plan) as launcher:
+        yield launcher
 
 
-def client(cluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{cluster['base_url']}/v1", api_key="unused", max_retries=0)
+def client(cluster: Launcher) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0)
 
 
 async def stream_chat(api: openai.AsyncOpenAI, model: str, question: str) -> tuple[str, str]:
@@ -86,17 +88,19 @@ def test_sixteen_concurrent_streaming_chats_match_offline_and_use_both_decode_no
         return await asyncio.gather(*(stream_chat(api, model, q) for q in QUESTIONS))
 
     results = asyncio.run(run_all())
-    expected = offline_generate(cluster["model"], QUESTIONS)
+    expected = offline_generate(cluster.plan.model, QUESTIONS)
     assert [text for text, _ in results] == [e["text"] for e in expected]
     assert [finish for _, finish in results] == [e["finish_reason"] for e in expected]
-    counts = routed_counts(cluster["base_url"], "decode")
-    assert counts.get("decode-0", 0) > 0 and counts.get("decode-1", 0) > 0, counts
+    counts = routed_counts(cluster.base_url, "decode")
+    # Each chat went to one decode node (none failed); which one depends on the load at arrival.
+    assert set(counts) == {"decode-0", "decode-1"} and sum(counts.values()) == len(QUESTIONS), counts
 
 
 def test_a_late_decode_node_is_used_and_a_dead_one_is_dropped(cluster):
-    group, redis_url, base_url = cluster["group"], cluster["redis_url"], cluster["base_url"]
-    group.start_node("decode", "decode-late", cluster["model"], redis_url)
-    wait_until(lambda: num_registered(redis_url) == 4, 120, "the late decode node to register")
+    redis_url, base_url = cluster.redis_url, cluster.base_url
+    cluster.start_node("decode", "decode-late")  # returns once registered and counted by the gateway
+    assert num_registered(redis_url) == 4
+    assert gateway_num_nodes(base_url) == {"prefill": 1, "decode": 3}
 
     async def chats(n: int):
         api = client(cluster)  # one per event loop
@@ -108,9 +112,9 @@ def test_a_late_decode_node_is_used_and_a_dead_one_is_dropped(cluster):
         30,
         "a request routed to the late node",
     )
-    group.stop("decode-late", signal.SIGKILL)  # dies without leaving the registry: only the TTL removes it
+    cluster.stop_child("decode-late", signal.SIGKILL)  # dies without leaving the registry: only the TTL removes it
     wait_until(lambda: num_registered(redis_url) == 3, 10, "the dead node's entry to expire")
-    time.sleep(1.0)  # the gateway's registry snapshot refreshes every 0.5 s
+    wait_until(lambda: gateway_num_nodes(base_url) == {"prefill": 1, "decode": 2}, 10, "the gateway to drop it")
     before = routed_counts(base_url, "decode").get("decode-late", 0)
     results = asyncio.run(chats(6))
     assert all(finish == "length" for _, finish in results)
@@ -118,25 +122,23 @@ def test_a_late_decode_node_is_used_and_a_dead_one_is_dropped(cluster):
 
 
 @pytest.mark.parametrize(
-    "nodes",
+    "fields",
     [
-        [("colocated", "colocated-0")],
-        [("prefill", "prefill-0", "--kv-transport", "grpc"), ("decode", "decode-0", "--kv-transport", "grpc")],
+        {"colocated": True},
+        {"node_args": ("--kv-transport", "grpc")},
     ],
     ids=["colocated", "grpc-page-stream"],
 )
-def test_other_topologies_serve_the_same_greedy_output(tmp_path, nodes):
+def test_other_topologies_serve_the_same_greedy_output(tmp_path, fields):
     model = str(build_tiny_chat_model(tmp_path / "model"))
-    (tmp_path / "logs").mkdir()
-    with running_cluster(model, tmp_path / "logs", nodes) as running:
-        base_url = running["base_url"]
+    with Launcher(e2e_plan(model, tmp_path / "logs", **fields)) as cluster:
 
         async def chats():
-            api = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+            api = client(cluster)
             model_id = (await api.models.list()).data[0].id
             return await asyncio.gather(*(stream_chat(api, model_id, q) for q in QUESTIONS[:4]))
 
         results = asyncio.run(chats())
         assert [text for text, _ in results] == [e["text"] for e in offline_generate(model, QUESTIONS[:4])]
-        role, name = nodes[-1][:2]
-        assert routed_counts(base_url, role) == {name: 4.0}
+        role = "colocated" if fields.get("colocated") else "decode"
+        assert routed_counts(cluster.base_url, role) == {f"{role}-0": 4.0}

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from pdserve.cluster_state.embedded_redis import free_port
-from tests.e2e.processes import REPO_ROOT
+from tests.e2e.helpers import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -12,15 +12,19 @@ import pytest
 import redis
 
 from gateway.tokenizer import Tokenizer
+from pdserve.cluster_state.kv_index import kv_index_key
 from pdserve.cluster_state.registry import NodeInfo, node_key
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from tests.e2e.processes import metric_samples, routed_counts, running_cluster, wait_until
+from pdserve.engine.block_hash import hash_token_blocks
+from pdserve.launcher import Launcher
+from tests.e2e.helpers import e2e_plan, metric_samples, routed_counts, wait_until
 from tests.factories import build_tiny_chat_model
 
 pytestmark = pytest.mark.timeout(300)
 
 SYSTEM = "You are a careful assistant for a library. " * 16  # ~150 tokens: several full blocks
 MAX_TOKENS = 16
+BLOCK_SIZE = 16
 
 
 def registered(redis_url: str, node_id: str) -> NodeInfo | None:
@@ -32,15 +36,56 @@ def kv_index_keys(redis_url: str, node_id: str) -> list[bytes]:
     return list(redis.Redis.from_url(redis_url).scan_iter(f"pdserve:kv:{node_id}:*"))
 
 
+def indexed_blocks(redis_url: str, node_id: str, token_ids: list[int]) -> int:
+    """How many of the prompt's leading full blocks the node's KV index in Redis lists."""
+    info = registered(redis_url, node_id)
+    hashes = hash_token_blocks(token_ids, info.capacity.block_size, extra_key=info.model)
+    held = redis.Redis.from_url(redis_url).smismember(kv_index_key(node_id, info.incarnation), hashes)
+    return next((index for index, is_member in enumerate(held) if not is_member), len(held))
+
+
+def wait_until_indexed(redis_url: str, node_id: str, token_ids: list[int]) -> None:
+    """Until the node has published every full block of the prompt (it flushes every 0.1 s)."""
+    num_blocks = len(token_ids) // BLOCK_SIZE
+    wait_until(lambda: indexed_blocks(redis_url, node_id, token_ids) == num_blocks, 10, f"{node_id}'s KV index")
+
+
+def wait_for_heartbeat(redis_url: str, node_id: str) -> NodeInfo:
+    """The node's registry entry as written by its first heartbeat after now (one a second)."""
+    now = time.time()
+
+    def beat_after_now() -> NodeInfo | None:
+        info = registered(redis_url, node_id)
+        return info if info is not None and info.updated_at > now else None
+
+    return wait_until(beat_after_now, 5, f"a heartbeat of {node_id}")
+
+
+def shared_blocks(a: list[int], b: list[int]) -> int:
+    """Leading full blocks two prompts have in common (the hashes are chained: equal ones lead)."""
+    return sum(x == y for x, y in zip(hash_token_blocks(a, BLOCK_SIZE), hash_token_blocks(b, BLOCK_SIZE)))
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     model = str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
     # Prefill steps of 32 tokens: a burst of cache hits soon queues more than one step,
     # the point where the load cap starts to move prompts (gateway/router.py).
-    step = ("--max-num-batched-tokens", "32")
-    nodes = [("prefill", "prefill-0", *step), ("prefill", "prefill-1", *step), ("decode", "decode-0")]
-    with running_cluster(model, tmp_path_factory.mktemp("logs"), nodes) as running:
-        yield running
+    plan = e2e_plan(
+        model, tmp_path_factory.mktemp("logs"), num_prefill=2, prefill_args=("--max-num-batched-tokens", "32")
+    )
+    with Launcher(plan) as launcher:
+        yield launcher
+
+
+@pytest.fixture(scope="module")
+def tokenizer(cluster) -> Tokenizer:
+    return Tokenizer.from_folder(cluster.plan.model)
+
+
+def prompt_ids(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids the gateway sends for a chat."""
+    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
 
 def parse_route(header: str) -> dict[str, str]:
@@ -61,22 +106,25 @@ def ask(question: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
-def test_requests_sharing_a_system_prompt_land_on_the_node_that_cached_it(cluster):
-    async def body():
-        _, first = await chat(cluster["base_url"], cluster["model"], ask("What opens at nine?"))
-        await asyncio.sleep(0.5)  # nodes publish their cache changes every 0.1 s
-        routes = [(await chat(cluster["base_url"], cluster["model"], ask(f"Where is shelf {i}?")))[1] for i in range(4)]
-        return first, routes
+def test_requests_sharing_a_system_prompt_land_on_the_node_that_cached_it(cluster, tokenizer):
+    base_url, model = cluster.base_url, cluster.plan.model
+    conversations = [ask("What opens at nine?")] + [ask(f"Where is shelf {i}?") for i in range(4)]
+    _, first = asyncio.run(chat(base_url, model, conversations[0]))
+    wait_until_indexed(cluster.redis_url, first["prefill"], prompt_ids(tokenizer, conversations[0]))
+    routes = [asyncio.run(chat(base_url, model, messages))[1] for messages in conversations[1:]]
 
-    first, routes = asyncio.run(body())
     assert int(first["cached_tokens"]) == 0
     assert {r["prefill"] for r in routes} == {first["prefill"]}
-    assert all(int(r["cached_tokens"]) >= 128 for r in routes)  # the system prompt's full blocks
+    # Each prompt finds the full blocks it shares with the node's earlier prompts: the system prompt's, and more.
+    prompts = [prompt_ids(tokenizer, messages) for messages in conversations]
+    shared = [max(shared_blocks(prompt, earlier) for earlier in prompts[:i]) for i, prompt in enumerate(prompts) if i]
+    assert [int(r["cached_tokens"]) for r in routes] == [BLOCK_SIZE * n for n in shared]
+    assert min(shared) >= 8  # SYSTEM alone is ~150 tokens
 
 
-async def chats_in_parallel(cluster, questions: list[str]) -> list[tuple[str, dict[str, str]]]:
+async def chats_in_parallel(cluster: Launcher, questions: list[str]) -> list[tuple[str, dict[str, str]]]:
     return await asyncio.gather(
-        *(chat(cluster["base_url"], cluster["model"], [{"role": "user", "content": q}]) for q in questions)
+        *(chat(cluster.base_url, cluster.plan.model, [{"role": "user", "content": q}]) for q in questions)
     )
 
 
@@ -90,68 +138,60 @@ def load_cap_decisions(base_url: str) -> float:
     return sum(value for _, value in samples)
 
 
-def test_a_burst_on_one_prefix_is_spread_by_the_load_cap(cluster):
-    async def body():
-        await chat(cluster["base_url"], cluster["model"], ask("Warm the cache."))
-        await asyncio.sleep(0.5)
-        replies = await asyncio.gather(
-            *(chat(cluster["base_url"], cluster["model"], ask(f"Burst {i}?")) for i in range(24))
-        )
-        return [route for _, route in replies]
+def test_a_burst_on_one_prefix_is_spread_by_the_load_cap(cluster, tokenizer):
+    base_url, model = cluster.base_url, cluster.plan.model
+    _, warm = asyncio.run(chat(base_url, model, ask("Warm the cache.")))
+    wait_until_indexed(cluster.redis_url, warm["prefill"], prompt_ids(tokenizer, ask("Warm the cache.")))
 
-    capped_before = load_cap_decisions(cluster["base_url"])
-    routes = asyncio.run(body())
+    async def burst():
+        return await asyncio.gather(*(chat(base_url, model, ask(f"Burst {i}?")) for i in range(24)))
+
+    capped_before = load_cap_decisions(base_url)
+    routes = [route for _, route in asyncio.run(burst())]
     assert {r["prefill"] for r in routes} == {"prefill-0", "prefill-1"}
-    assert load_cap_decisions(cluster["base_url"]) > capped_before  # moved by the cap, not by cost
-    assert in_flight(cluster["base_url"]) == 0
+    assert load_cap_decisions(base_url) > capped_before  # moved by the cap, not by cost
+    assert in_flight(base_url) == 0
 
 
-def test_second_chat_turn_moves_only_new_blocks_and_matches_the_offline_engine(cluster):
-    model, redis_url = cluster["model"], cluster["redis_url"]
+def test_second_chat_turn_moves_only_new_blocks_and_matches_the_offline_engine(cluster, tokenizer):
+    base_url, model, redis_url = cluster.base_url, cluster.plan.model, cluster.redis_url
     turn_1 = [{"role": "user", "content": "Tell me a story about a lighthouse keeper and a storm " * 6}]
+    reply_1, _ = asyncio.run(chat(base_url, model, turn_1))
+    # The decode node's counters reach Redis with its heartbeats: read them from one sent after the reply.
+    blocks_before = wait_for_heartbeat(redis_url, "decode-0").stats.kv_blocks_received
+    turn_2 = turn_1 + [{"role": "assistant", "content": reply_1}, {"role": "user", "content": "And then?"}]
+    reply_2, route = asyncio.run(chat(base_url, model, turn_2))
+    blocks_moved = wait_for_heartbeat(redis_url, "decode-0").stats.kv_blocks_received - blocks_before
 
-    async def body():
-        reply_1, _ = await chat(cluster["base_url"], model, turn_1)
-        await asyncio.sleep(1.5)  # one heartbeat carries the decode node's counters
-        blocks_before = registered(redis_url, "decode-0").stats.kv_blocks_received
-        turn_2 = turn_1 + [{"role": "assistant", "content": reply_1}, {"role": "user", "content": "And then?"}]
-        reply_2, route = await chat(cluster["base_url"], model, turn_2)
-        await asyncio.sleep(1.5)
-        return turn_2, reply_2, route, registered(redis_url, "decode-0").stats.kv_blocks_received - blocks_before
-
-    turn_2, reply_2, route, blocks_moved = asyncio.run(body())
-    tokenizer = Tokenizer.from_folder(model)
-    prompt = tokenizer.encode(tokenizer.apply_chat_template(turn_2), add_special_tokens=False)
-    num_prompt_blocks = -(-len(prompt) // 16)
+    prompt = prompt_ids(tokenizer, turn_2)
+    num_prompt_blocks = -(-len(prompt) // BLOCK_SIZE)
     assert int(route["decode_cached_tokens"]) >= 64  # turn 1's prompt blocks stayed on the decode node
-    assert blocks_moved == num_prompt_blocks - int(route["decode_cached_tokens"]) // 16
+    assert blocks_moved == num_prompt_blocks - int(route["decode_cached_tokens"]) // BLOCK_SIZE
     offline = LLMEngine(EngineConfig(model=model, cache=CacheConfig(num_blocks=64)))
     expected = offline.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))[0].token_ids
     assert reply_2 == tokenizer.decode(expected)
 
 
 def test_a_killed_prefill_nodes_entries_expire_and_its_restart_does_not_inherit_them(cluster):
-    group, redis_url = cluster["group"], cluster["redis_url"]
-    asyncio.run(chat(cluster["base_url"], cluster["model"], ask("Fill both caches.")))
+    base_url, redis_url = cluster.base_url, cluster.redis_url
+    asyncio.run(chat(base_url, cluster.plan.model, ask("Fill both caches.")))
     old = registered(redis_url, "prefill-1")
     wait_until(lambda: kv_index_keys(redis_url, "prefill-1"), 10, "prefill-1 to publish its cache")
-    group.stop("prefill-1", signal.SIGKILL)
+    cluster.stop_child("prefill-1", signal.SIGKILL)
     started = time.monotonic()
     # Still registered: distinct prompts spread over both nodes by queued work, so some first
     # go to the dead node, fail to connect and are retried on the other.
-    tried_before = routed_counts(cluster["base_url"], "prefill").get("prefill-1", 0)
+    tried_before = routed_counts(base_url, "prefill").get("prefill-1", 0)
     replies = asyncio.run(
         chats_in_parallel(cluster, [f"Question {i}: " + "why is the sky blue " * 20 for i in range(6)])
     )
-    assert routed_counts(cluster["base_url"], "prefill").get("prefill-1", 0) > tried_before
+    assert routed_counts(base_url, "prefill").get("prefill-1", 0) > tried_before
     assert all(route["prefill"] == "prefill-0" for _, route in replies)
-    assert in_flight(cluster["base_url"]) == 0  # the failed attempts released their nodes too
+    assert in_flight(base_url) == 0  # the failed attempts released their nodes too
     wait_until(lambda: not kv_index_keys(redis_url, "prefill-1"), 10, "prefill-1's KV index entries to expire")
     assert time.monotonic() - started <= 3.0 + 1.0  # the registry TTL, plus polling slack
-    group.start_node("prefill", "prefill-1", cluster["model"], redis_url)
-    wait_until(
-        lambda: (info := registered(redis_url, "prefill-1")) and info.incarnation != old.incarnation, 120, "the restart"
-    )
-    assert not redis.Redis.from_url(redis_url).exists(f"pdserve:kv:prefill-1:{old.incarnation}")
+    cluster.start_node("prefill", "prefill-1")  # returns once registered at its new port
+    assert registered(redis_url, "prefill-1").incarnation != old.incarnation
+    assert not redis.Redis.from_url(redis_url).exists(kv_index_key("prefill-1", old.incarnation))
     for key in kv_index_keys(redis_url, "prefill-1"):
         assert redis.Redis.from_url(redis_url).scard(key) == 0  # a fresh node caches nothing yet
