@@ -142,22 +142,15 @@ def run_cluster(system: str, args: argparse.Namespace, tokenizer) -> list[LevelR
     loads = [Load(concurrency=c, num_requests=max(c, args.min_requests)) for c in args.concurrency]
     tag_to_num_requests = {load.tag: load.num_requests for load in loads} | {"warmup": offline.NUM_WARMUP_REQUESTS}
     plan = LaunchPlan(model=args.model, port=free_port(), colocated=CLUSTER_SYSTEMS[system])
-    launcher = Launcher(plan)
     started_s = time.perf_counter()
-    try:
-        launcher.start()
-        launcher.wait_ready()
+    with Launcher(plan) as cluster:
         logger.info("%s ready in %.0f s", system, time.perf_counter() - started_s)
-        client_config = ClientConfig(
-            base_url=f"http://127.0.0.1:{plan.port}", endpoint="completions", timeout_s=args.timeout_s
-        )
+        client_config = ClientConfig(base_url=cluster.base_url, endpoint="completions", timeout_s=args.timeout_s)
 
         def source(tag: str) -> Iterator[Conversation]:
             return iter(conversations_for(tokenizer, tag, tag_to_num_requests[tag], args.input_len, args.output_len))
 
         _, results = asyncio.run(run_benchmark(client_config, loads, source, num_warmup=offline.NUM_WARMUP_REQUESTS))
-    finally:
-        launcher.stop()
     return results
 
 

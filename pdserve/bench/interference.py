@@ -96,27 +96,21 @@ async def measure_interference(base_url: str, model: str, stream_tokens: int, lo
     }
 
 
-def on_cluster(model: str, colocated: bool, node_args: tuple[str, ...], measure) -> dict[str, float]:
+def on_cluster(model: str, colocated: bool, num_threads: int | None, measure) -> dict[str, float]:
     """Starts a cluster, runs `measure(base_url, served_model)` against it, stops it."""
     plan = LaunchPlan(
-        model=model, port=free_port(), colocated=colocated, node_args=("--kv-cache-gib", "0.5", *node_args)
+        model=model, port=free_port(), colocated=colocated, node_args=("--kv-cache-gib", "0.5"), num_threads=num_threads
     )
-    launcher = Launcher(plan)
-    launcher.start()
-    try:
-        launcher.wait_ready()
-        base_url = f"http://{plan.host}:{plan.port}"
-        served = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
-        return asyncio.run(measure(base_url, served))
-    finally:
-        launcher.stop()
+    with Launcher(plan) as cluster:
+        served = httpx.get(f"{cluster.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        return asyncio.run(measure(cluster.base_url, served))
 
 
 def run_topology(model: str, colocated: bool, stream_tokens: int, long_every_s: float) -> dict[str, float]:
-    all_cores = ("--num-threads", str(os.cpu_count() or 1))  # last flag wins over the launcher's split
+    all_cores = os.cpu_count() or 1  # step 1: every node gets every core (None: the launcher splits them)
     result = on_cluster(model, colocated, all_cores, measure_ttft)
     result.update(
-        on_cluster(model, colocated, (), lambda url, m: measure_interference(url, m, stream_tokens, long_every_s))
+        on_cluster(model, colocated, None, lambda url, m: measure_interference(url, m, stream_tokens, long_every_s))
     )
     return result
 

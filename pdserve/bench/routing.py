@@ -94,8 +94,6 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
         prefill_args=("--kv-cache-gib", str(args.prefill_kv_cache_gib)),
         gateway_args=("--router-policy", policy),
     )
-    launcher = Launcher(plan)
-    base_url = f"http://127.0.0.1:{plan.port}"
     workload = WorkloadConfig(
         kind="shared-prefix",
         num_prefixes=args.num_prefixes,
@@ -104,19 +102,15 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
         output_len=args.output_len,
         seed=args.seed,
     )
-    try:
-        launcher.start()
-        launcher.wait_ready()
-        before = gateway_counters(base_url)
-        client_config = ClientConfig(base_url=base_url, endpoint="chat", timeout_s=args.timeout_s)
+    with Launcher(plan) as cluster:
+        before = gateway_counters(cluster.base_url)
+        client_config = ClientConfig(base_url=cluster.base_url, endpoint="chat", timeout_s=args.timeout_s)
         load = Load(concurrency=args.concurrency, num_requests=args.num_requests)
         # Both policies see the very same conversations (same tag); no warm-up: a cold cache is part of the test.
         _, (level,) = asyncio.run(
             run_benchmark(client_config, [load], lambda tag: iter_conversations(workload, "routing"), num_warmup=0)
         )
-        after = gateway_counters(base_url)
-    finally:
-        launcher.stop()
+        after = gateway_counters(cluster.base_url)
     return PolicyResult(policy, level, after - before)
 
 
