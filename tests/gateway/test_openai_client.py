@@ -20,16 +20,16 @@ def openai_client(live_server):
         yield client
 
 
-def test_chat_non_streamed(openai_client):
+def test_chat_non_streamed(openai_client, tokenizer):
     completion = openai_client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=32)
     assert completion.choices[0].message.content == DEFAULT_TEXT
     assert completion.choices[0].message.role == "assistant"
     assert completion.choices[0].finish_reason == "stop"
-    assert completion.usage.completion_tokens > 0
+    assert completion.usage.completion_tokens == len(text_chunks(tokenizer, DEFAULT_TEXT))  # one token each, EOS too
     assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
 
 
-def test_chat_streamed_with_usage(openai_client):
+def test_chat_streamed_with_usage(openai_client, tokenizer):
     stream = openai_client.chat.completions.create(
         model="smollm2", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
     )
@@ -38,7 +38,7 @@ def test_chat_streamed_with_usage(openai_client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == DEFAULT_TEXT
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(text_chunks(tokenizer, DEFAULT_TEXT))
 
 
 def test_completion_with_stop_string(openai_client, backend, tokenizer):

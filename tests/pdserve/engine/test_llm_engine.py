@@ -111,7 +111,7 @@ def test_preemption_when_the_pool_runs_out(tiny_model):
     requests = [engine.add_request(f"p{i}", p, params) for i, p in enumerate(prompts)]
     while engine.has_unfinished_requests:
         engine.step()
-    assert sum(r.num_preemptions for r in requests) > 0
+    assert [r.num_preemptions for r in requests] == [0, 0, 0, 1]  # the newest running request yields, once
     assert_matches_reference(reference, prompts, [r.output_token_ids for r in requests], params.max_tokens)
     assert engine.kv_cache_manager.num_free_blocks == 12
 
