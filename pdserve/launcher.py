@@ -75,6 +75,10 @@ class Child:
 
 
 class Launcher:
+    """Owns the children of one plan (and the embedded Redis): starts them, waits on them,
+    signals them by PID and stops them; see the module docstring for the lifecycle. Not for use
+    inside a running event loop (its waits run one of their own)."""
+
     def __init__(
         self,
         plan: LaunchPlan,
