@@ -48,3 +48,7 @@ class GenerationBackend(Protocol):
     def is_ready(self) -> bool:
         """True when at least one node of each needed role is registered."""
         ...
+
+    def num_nodes_by_role(self) -> dict[str, int]:
+        """The nodes the backend routes to now, per role (what `/health` reports)."""
+        ...

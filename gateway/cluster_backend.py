@@ -15,6 +15,7 @@ that failed names its node (`NodeCallError`), and only that node is left out of 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator
@@ -76,6 +77,9 @@ class ClusterBackend:
         self.router = router or Router(registry)
         self.kv_timeout_ms = kv_timeout_ms
         self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def num_nodes_by_role(self) -> dict[str, int]:
+        return dict(collections.Counter(node.role for node in self.registry.nodes()))
 
     def is_ready(self) -> bool:
         if self.registry.nodes("colocated"):

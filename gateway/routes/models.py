@@ -5,12 +5,11 @@ has seen a node join or leave)."""
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from gateway.backend import BackendError, BackendErrorKind, GenerationBackend
+from gateway.backend import BackendError, BackendErrorKind
 from gateway.dependencies import BackendDep, ServedModelDep
 from gateway.errors import to_openai_error
 from gateway.protocol import ErrorResponse, ModelCard, ModelList
@@ -29,12 +28,6 @@ async def list_models(served_model: ServedModelDep) -> ModelList:
 @router.get("/health", responses={503: {"model": ErrorResponse, "description": "no node of some needed role"}})
 async def health(backend: BackendDep) -> JSONResponse:
     if backend.is_ready():
-        return JSONResponse({"status": "ok", "num_nodes": num_nodes_by_role(backend)})
+        return JSONResponse({"status": "ok", "num_nodes": backend.num_nodes_by_role()})
     status, body = to_openai_error(BackendError(BackendErrorKind.UNAVAILABLE, "the cluster has no ready nodes yet"))
     return JSONResponse(body.model_dump(), status_code=status)
-
-
-def num_nodes_by_role(backend: GenerationBackend) -> dict[str, int]:
-    """Nodes in the backend's last registry snapshot, per role; {} for a backend without a registry."""
-    registry = getattr(backend, "registry", None)  # ClusterBackend's RegistryView; fakes have none
-    return dict(Counter(node.role for node in registry.nodes())) if registry is not None else {}

@@ -99,6 +99,7 @@ class FakeBackend:
     error_after: int = 0
     hang: bool = False
     ready: bool = True
+    num_nodes: dict[str, int] = field(default_factory=lambda: {"colocated": 1})
     calls: list[GenerateCall] = field(default_factory=list)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> FakeStream:
@@ -117,6 +118,9 @@ class FakeBackend:
 
     def is_ready(self) -> bool:
         return self.ready
+
+    def num_nodes_by_role(self) -> dict[str, int]:
+        return dict(self.num_nodes) if self.ready else {}
 
 
 def parse_sse(body: str) -> list[dict | str]:
