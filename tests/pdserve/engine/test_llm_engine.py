@@ -145,7 +145,7 @@ class RecordingStorage:
 
     def allocate(self, spec):
         self.spec = spec
-        self.tensor = torch.full(spec.shape, float("nan"), dtype=spec.dtype).zero_()
+        self.tensor = torch.zeros(spec.shape, dtype=spec.dtype)
         return self.tensor
 
 
