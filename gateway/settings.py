@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve.cluster_state.registry import RedisOptions
-from pdserve.engine.model_loader import DEFAULT_MODEL
+from pdserve.engine.model_loader import DEFAULT_MODEL, MODEL_HELP
 
 
 class RoutingPolicy(enum.StrEnum):
@@ -48,7 +48,7 @@ class GatewayListenOptions(BaseModel):
 class GatewaySettings(GatewayListenOptions, RouterOptions, RedisOptions, BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PDSERVE_GATEWAY_", frozen=True)
 
-    model: str = Field(DEFAULT_MODEL, description="alias (smollm2-135m), Hugging Face folder or .gguf file")
+    model: str = Field(DEFAULT_MODEL, description=MODEL_HELP)
     served_model_name: str | None = Field(None, description="the name clients send; default: the model's own name")
     max_model_len: int | None = Field(
         None, ge=1, description="prompt + output tokens; default: config.json max_position_embeddings"

@@ -25,7 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from gateway.settings import GatewayListenOptions, RouterOptions
 from pdserve.cluster_state.registry import RedisOptions
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.model_loader import DEFAULT_MODEL
+from pdserve.engine.model_loader import DEFAULT_MODEL, MODEL_HELP
 from pdserve.engine.sampling_params import SamplingParams
 
 GIB = 1 << 30
@@ -36,7 +36,7 @@ class EngineOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    model: str = Field(DEFAULT_MODEL, description="alias (smollm2-135m), Hugging Face folder or .gguf file")
+    model: str = Field(DEFAULT_MODEL, description=MODEL_HELP)
     dtype: Literal["float32", "bfloat16", "float16"] = Field(EngineConfig.dtype, description="weights and KV cache")
     device: str = Field(EngineConfig.device, description="torch device")
     block_size: int = Field(CacheConfig.block_size, description="tokens per KV block, a power of two")

@@ -50,6 +50,7 @@ MODEL_ALIASES = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
+MODEL_HELP = f"alias ({DEFAULT_MODEL}), Hugging Face folder or .gguf file"  # the --model flag of every command
 
 
 @dataclass(frozen=True)
