@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from gateway.settings import GatewaySettings
+from pdserve.cluster_state.registry import NODE_ROLES
 from pdserve.log_setup import setup_logging
 from pdserve.options import (
     EngineOptions,
@@ -31,7 +32,6 @@ from pdserve.options import (
     to_flags,
 )
 
-NODE_ROLES = ("prefill", "decode", "colocated")
 BENCH_KIND_TO_HELP = {
     "offline": "engine throughput against transformers peers",
     "serve": "load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput",

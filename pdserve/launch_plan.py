@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.cluster_state.embedded_redis import free_port
+from pdserve.cluster_state.registry import NODE_ROLES
 
 NODE_HOST = "127.0.0.1"
-NODE_ROLES = ("prefill", "decode", "colocated")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import typing
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Literal
@@ -40,6 +41,7 @@ DEFAULT_INTERVAL_S = 1.0
 DEFAULT_TTL_S = 3.0
 
 NodeRole = Literal["prefill", "decode", "colocated"]
+NODE_ROLES: tuple[NodeRole, ...] = typing.get_args(NodeRole)
 
 # Atomic compare-and-delete: a stopping node must not remove the entry of its own replacement.
 _DELETE_IF_INCARNATION = """
