@@ -94,25 +94,18 @@ def run_node(role: NodeRole, settings: NodeSettings) -> None:
 
 
 async def _serve(role, settings: NodeSettings, service: NodeService, async_engine, stop_requested, signalled) -> None:
-    engine = async_engine.engine
     stop = asyncio.Event()
     signalled.append((asyncio.get_running_loop(), stop))
     if stop_requested.is_set():
         stop.set()
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    service.add_to_server(server, async_engine)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    server, health_servicer, port = await _start_grpc(settings, service, async_engine)
     registration = NodeRegistration(
         settings.redis_url,
-        _node_info(role, settings, engine, port),
+        _node_info(role, settings, async_engine.engine, port),
         lambda: async_engine.load,
         interval_s=settings.heartbeat_s,
         ttl_s=settings.ttl_s,
-        stats_fn=lambda: _node_stats(engine, service),
+        stats_fn=lambda: _node_stats(async_engine.engine, service),
     )
     await registration.start()
     kv_index = KvIndexPublisher(
@@ -130,6 +123,18 @@ async def _serve(role, settings: NodeSettings, service: NodeService, async_engin
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2.0)
     await service.close()
+
+
+async def _start_grpc(settings: NodeSettings, service: NodeService, async_engine: AsyncEngine):
+    """The gRPC server with the role's servicers and the standard health service, SERVING."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service.add_to_server(server, async_engine)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, health_servicer, port
 
 
 def _node_stats(engine: LLMEngine, service: NodeService) -> NodeStats:
