@@ -25,7 +25,6 @@ from prometheus_client import Counter
 
 from gateway.backend import BackendError, BackendErrorKind, GenerationChunk
 from gateway.router import Route, Router
-from pdserve.cluster_state.kv_index import KvIndexReader
 from pdserve.cluster_state.registry import NodeInfo, RegistryView
 from pdserve.engine.sampling_params import SamplingParams
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -208,20 +207,3 @@ async def _read(call, decode: NodeInfo):
 
 def _backend_error(failure: NodeCallError) -> BackendError:
     return BackendError(STATUS_TO_KIND.get(failure.error.code(), BackendErrorKind.UNAVAILABLE), str(failure))
-
-
-async def serve_cluster_gateway(settings) -> None:
-    """Serves the gateway over the nodes registered in `settings.redis_url` until signalled."""
-    from gateway.server import serve_gateway
-
-    registry = RegistryView(settings.redis_url)
-    await registry.start()
-    kv_index = KvIndexReader(settings.redis_url)
-    router = Router(registry, settings.router_policy, kv_index, settings.router_load_factor)
-    backend = ClusterBackend(registry, router)
-    try:
-        await serve_gateway(settings, backend)
-    finally:
-        await backend.close()
-        await kv_index.close()
-        await registry.stop()

@@ -1,4 +1,5 @@
-"""Runs the gateway with uvicorn. The caller (the `pdserve` CLI) builds the settings and backend."""
+"""Runs the gateway with uvicorn: `serve_cluster_gateway` composes it over the cluster's nodes
+(what `pdserve gateway` runs); `serve_gateway` serves any backend."""
 
 from __future__ import annotations
 
@@ -6,9 +7,14 @@ import logging
 
 import uvicorn
 
+from gateway.admission import AdmissionControl
 from gateway.app import create_app
 from gateway.backend import GenerationBackend
+from gateway.cluster_backend import ClusterBackend
+from gateway.router import Router
 from gateway.settings import GatewaySettings
+from pdserve.cluster_state.kv_index import KvIndexReader
+from pdserve.cluster_state.registry import RegistryView
 
 
 def uvicorn_config(settings: GatewaySettings, backend: GenerationBackend) -> uvicorn.Config:
@@ -25,3 +31,20 @@ def uvicorn_config(settings: GatewaySettings, backend: GenerationBackend) -> uvi
 async def serve_gateway(settings: GatewaySettings, backend: GenerationBackend) -> None:
     """Serves until cancelled or signalled; for callers that already run an event loop."""
     await uvicorn.Server(uvicorn_config(settings, backend)).serve()
+
+
+async def serve_cluster_gateway(settings: GatewaySettings) -> None:
+    """Serves the gateway over the nodes registered in `settings.redis_url` until signalled:
+    the registry view, the KV index reader and the router feed the cluster backend, and
+    admission control bounds the work it takes on."""
+    registry = RegistryView(settings.redis_url)
+    await registry.start()
+    kv_index = KvIndexReader(settings.redis_url)
+    router = Router(registry, settings.router_policy, kv_index, settings.router_load_factor)
+    backend = ClusterBackend(registry, router)
+    try:
+        await serve_gateway(settings, AdmissionControl(backend, settings))
+    finally:
+        await backend.close()
+        await kv_index.close()
+        await registry.stop()

@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "gateway":
         import asyncio
 
-        from gateway.cluster_backend import serve_cluster_gateway
+        from gateway.server import serve_cluster_gateway
 
         asyncio.run(serve_cluster_gateway(settings_from_args(GatewaySettings, args, parser)))
         return 0
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_cluster(settings: UpSettings) -> int:
-    from gateway.settings import RouterOptions
+    from gateway.settings import AdmissionOptions, RouterOptions
     from pdserve.launcher import LaunchPlan, run_up
 
     plan = LaunchPlan(
@@ -112,10 +112,10 @@ def run_cluster(settings: UpSettings) -> int:
         num_decode=settings.decode,
         redis_url=settings.redis_url,
         colocated=settings.colocated,
-        # Every node gets the engine and transfer options, the gateway the router's (the launcher
+        # Every node gets the engine and transfer options, the gateway the router and admission ones (the launcher
         # names the model, addresses and node ids itself).
         node_args=tuple(to_flags(settings, EngineOptions, KvTransferOptions, exclude={"model"})),
-        gateway_args=tuple(to_flags(settings, RouterOptions)),
+        gateway_args=tuple(to_flags(settings, RouterOptions, AdmissionOptions)),
         log_dir=settings.log_dir,
         ready_timeout_s=settings.ready_timeout_s,
     )
