@@ -15,6 +15,7 @@ from gateway.protocol import ErrorDetail, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_RETRY_AFTER_S = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads the body
 
 _BACKEND_STATUS = {
@@ -72,6 +73,8 @@ async def _handle(request: Request, exc: Exception) -> JSONResponse:
     if status >= 500 and not isinstance(exc, (BackendError, HTTPException)):
         logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     headers = getattr(exc, "headers", None)  # 405 carries its Allow header
+    if status == 429:  # overloaded: say when to come back (admission knows; a full node: soon)
+        headers = {"Retry-After": str(getattr(exc, "retry_after_s", DEFAULT_RETRY_AFTER_S))}
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 

@@ -1,7 +1,7 @@
 """The gateway's settings: read once at the entry point (flags or PDSERVE_GATEWAY_* variables, both
 derived from these fields by pdserve/options.py) and passed down.
 
-`RouterOptions` and `GatewayListenOptions` are groups that `pdserve up` shares: it takes the same
+`RouterOptions`, `AdmissionOptions` and `GatewayListenOptions` are groups that `pdserve up` shares: it takes the same
 options and hands them to its gateway."""
 
 from __future__ import annotations
@@ -38,6 +38,20 @@ class RouterOptions(BaseModel):
     )
 
 
+class AdmissionOptions(BaseModel):
+    """How much work the gateway admits (per node of each phase) before it answers 429."""
+
+    model_config = ConfigDict(frozen=True)
+
+    admission_prompt_tokens_per_prefill_node: int = Field(
+        32768, ge=1, description="prompt tokens waiting for their first token, per prefill node, before 429"
+    )
+    admission_streams_per_decode_node: int = Field(
+        256, ge=1, description="streams admitted and not finished, per decode node, before 429"
+    )
+    admission_retry_after_s: int = Field(1, ge=1, description="the Retry-After a 429 from admission carries")
+
+
 class GatewayListenOptions(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -45,7 +59,7 @@ class GatewayListenOptions(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="the gateway's HTTP port")
 
 
-class GatewaySettings(GatewayListenOptions, RouterOptions, RedisOptions, BaseSettings):
+class GatewaySettings(GatewayListenOptions, RouterOptions, AdmissionOptions, RedisOptions, BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PDSERVE_GATEWAY_", frozen=True)
 
     model: str = Field(DEFAULT_MODEL, description=MODEL_HELP)

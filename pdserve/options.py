@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gateway.settings import GatewayListenOptions, RouterOptions
+from gateway.settings import AdmissionOptions, GatewayListenOptions, RouterOptions
 from pdserve.cluster_state.registry import RedisOptions
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.model_loader import DEFAULT_MODEL, MODEL_HELP
@@ -113,9 +113,9 @@ class GenerateSettings(EngineOptions, BaseSettings):
         )
 
 
-class UpSettings(GatewayListenOptions, RouterOptions, EngineOptions, KvTransferOptions, BaseSettings):
+class UpSettings(GatewayListenOptions, RouterOptions, AdmissionOptions, EngineOptions, KvTransferOptions, BaseSettings):
     """`pdserve up`: Redis, the nodes and the gateway on this machine. The engine and KV transfer
-    options go to every node, the router options to the gateway."""
+    options go to every node, the router and admission options to the gateway."""
 
     model_config = SettingsConfigDict(env_prefix="PDSERVE_UP_", frozen=True)
 
