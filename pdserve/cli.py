@@ -39,6 +39,7 @@ BENCH_KIND_TO_HELP = {
     "transfer": "KV transfer bandwidth: gRPC, shared memory, memcpy",
     "interference": "decode ITL under long prompts; TTFT: disaggregated vs colocated",
     "routing": "prefix_aware vs round_robin routing on shared prefixes: TTFT, hit rate",
+    "chaos": "load while a random node is killed every few seconds: completed, failed, migrated",
 }
 BENCH_KIND_TO_MODULE = {kind: f"pdserve.bench.{'serving' if kind == 'serve' else kind}" for kind in BENCH_KIND_TO_HELP}
 
