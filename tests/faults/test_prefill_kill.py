@@ -1,0 +1,69 @@
+"""SIGKILL of one of two prefill nodes under load, with one decode node: no client sees a
+failure (requests whose prefill was on the dead node are retried on the other before any token
+went back), and nothing stays counted or reserved afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import httpx
+import pytest
+
+from pdserve.launcher import Launcher
+from tests.e2e.helpers import e2e_plan, metric_samples, routed_counts, wait_until
+from tests.factories import build_tiny_chat_model
+from tests.faults.test_overload import node_infos
+
+pytestmark = pytest.mark.timeout(300)
+
+NUM_REQUESTS = 24
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
+    plan = e2e_plan(model, tmp_path_factory.mktemp("logs"), num_prefill=2, num_decode=1)
+    with Launcher(plan) as running:
+        yield running
+
+
+async def completion(client: httpx.AsyncClient, model: str, i: int) -> httpx.Response:
+    # Long prompts keep the prefill nodes busy, so the kill lands on queued and running prefills.
+    prompt = f"Request {i}: " + "tell me about the sea and the ships on it. " * 20
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+    return await client.post("/v1/completions", json=body)
+
+
+def test_killing_a_prefill_node_under_load_fails_no_request(cluster):
+    async def load_then_kill() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=120) as client:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+            requests = [asyncio.create_task(completion(client, model, i)) for i in range(NUM_REQUESTS)]
+            await asyncio.sleep(0.3)  # the burst is queued on both prefill nodes
+            cluster.send_signal("prefill-0", signal.SIGKILL)
+            return await asyncio.gather(*requests)
+
+    responses = asyncio.run(load_then_kill())
+    failures = [r.text for r in responses if r.status_code != 200]
+    assert failures == []
+    assert all(r.json()["usage"]["completion_tokens"] == MAX_TOKENS for r in responses)
+    assert cluster.child("prefill-0").process.wait(timeout=10) == -signal.SIGKILL
+    routed = routed_counts(cluster.base_url, "prefill")
+    assert sum(routed.values()) > NUM_REQUESTS, routed  # some prefills died with the node and went again
+
+    def drained() -> bool:
+        in_flight = [value for _, value in metric_samples(cluster.base_url, "pdserve_gateway_in_flight_requests")]
+        return not any(in_flight)
+
+    wait_until(drained, 10, "the gateway's in-flight counts to return to 0")
+
+    def nodes_idle() -> bool:  # the killed node's entry lingers until its TTL: only the live ones count
+        live = [info for info in node_infos(cluster.redis_url) if info.node_id != "prefill-0"]
+        return len(live) == 2 and all(
+            info.load.num_pending_transfers == 0 and info.load.num_free_blocks == info.capacity.num_blocks
+            for info in live
+        )
+
+    wait_until(nodes_idle, 10, "the live nodes to report no pending transfer and all blocks free")
