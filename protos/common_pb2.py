@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\npdserve.v1\"\xc3\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xa6\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12?\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32).pdserve.v1.TokenLogprob.TopLogprobsEntry\x1a\x32\n\x10TopLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\npdserve.v1\"\xe4\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x1f\n\x17num_prior_output_tokens\x18\t \x01(\x05\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xa6\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12?\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32).pdserve.v1.TokenLogprob.TopLogprobsEntry\x1a\x32\n\x10TopLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB_TOPLOGPROBSENTRY']._loaded_options = None
   _globals['_TOKENLOGPROB_TOPLOGPROBSENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=36
-  _globals['_SAMPLINGPARAMS']._serialized_end=231
-  _globals['_TOKENLOGPROB']._serialized_start=234
-  _globals['_TOKENLOGPROB']._serialized_end=400
-  _globals['_TOKENLOGPROB_TOPLOGPROBSENTRY']._serialized_start=350
-  _globals['_TOKENLOGPROB_TOPLOGPROBSENTRY']._serialized_end=400
+  _globals['_SAMPLINGPARAMS']._serialized_end=264
+  _globals['_TOKENLOGPROB']._serialized_start=267
+  _globals['_TOKENLOGPROB']._serialized_end=433
+  _globals['_TOKENLOGPROB_TOPLOGPROBSENTRY']._serialized_start=383
+  _globals['_TOKENLOGPROB_TOPLOGPROBSENTRY']._serialized_end=433
 # @@protoc_insertion_point(module_scope)

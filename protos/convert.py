@@ -16,6 +16,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         top_k=params.top_k,
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        num_prior_output_tokens=params.num_prior_output_tokens,
     )
     if params.seed is not None:
         message.seed = params.seed
@@ -35,6 +36,7 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
+        num_prior_output_tokens=message.num_prior_output_tokens,
     )
 
 

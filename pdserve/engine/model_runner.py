@@ -29,7 +29,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class ModelRunner:
-    """Owns the model weights, the KV caches (which each step mutates) and per-request generators.
+    """Owns the model weights, the KV caches (which each step mutates) and per-request seeds.
     The KV cache tensor comes from `kv_storage`, which the engine's caller chose."""
 
     def __init__(
@@ -53,7 +53,7 @@ class ModelRunner:
         self.kv_caches = kv_caches_over(kv_storage.allocate(spec))
         self.sampler = Sampler()
         self.seed_generator = torch.Generator().manual_seed(config.seed)
-        self.generators: dict[str, torch.Generator] = {}
+        self.seeds: dict[str, int] = {}  # request id -> its seed, drawn here for unseeded requests
         logger.info(
             "model loaded from %s; KV cache: %d blocks of %d tokens", model_path, self.num_blocks, self.block_size
         )
@@ -112,8 +112,10 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(logits_index, device=self.device)])
         params = [s.request.sampling_params for s in sampled]
-        generators = [self._generator(s.request.request_id, s.request.sampling_params.seed) for s in sampled]
-        out = self.sampler(logits, params, generators)
+        seeds = [self._seed(s.request.request_id, s.request.sampling_params.seed) for s in sampled]
+        # The index of the token each row samples, counting outputs sent before a resumed stream began.
+        positions = [s.request.sampling_params.num_prior_output_tokens + s.request.num_output_tokens for s in sampled]
+        out = self.sampler(logits, params, seeds, positions)
         return {s.request.request_id: (tok, lp) for s, tok, lp in zip(sampled, out.token_ids, out.logprobs)}
 
     def _flatten(self, ordered: list[ScheduledRequest]):
@@ -133,12 +135,12 @@ class ModelRunner:
                 sampled.append(s)
         return input_ids, positions, slots, logits_index, sampled
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
-        if request_id not in self.generators:
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_generator))
-            self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
-        return self.generators[request_id]
+    def _seed(self, request_id: str, seed: int | None) -> int:
+        if seed is not None:
+            return seed
+        if request_id not in self.seeds:
+            self.seeds[request_id] = int(torch.randint(0, 2**62, (1,), generator=self.seed_generator))
+        return self.seeds[request_id]
 
     def release(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
+        self.seeds.pop(request_id, None)

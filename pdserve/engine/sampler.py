@@ -1,8 +1,10 @@
 """Turns the last-position logits of each sequence into its next token.
 
 Greedy rows take the argmax. Other rows divide by temperature, keep the top-k and the
-smallest top-p nucleus, and draw from what is left with their own generator: a request with
-a seed draws the same tokens whatever else shares its batch.
+smallest top-p nucleus, and draw from what is left. Each draw's randomness is a function of the
+request's seed and the output position of the token being drawn, nothing else: a request with a
+seed draws the same tokens whatever else shares its batch, after a preemption, and when its
+stream resumes on another node (which knows the position from `num_prior_output_tokens`).
 """
 
 from __future__ import annotations
@@ -22,32 +24,40 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless apart from the generators passed in (which it advances)."""
+    """Mutates only its scratch generator, which it reseeds before every row it draws."""
+
+    def __init__(self) -> None:
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+        self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
     ) -> SamplerOutput:
+        """`seeds[i]`: row i's request seed; `positions[i]`: the output index of the token it draws."""
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            sampled = self._sample(
-                logits[random_rows], [params[i] for i in random_rows], [generators[i] for i in random_rows]
-            )
-            token_ids[random_rows] = sampled
+            draws = [draw_seed(seeds[i], positions[i]) for i in random_rows]
+            token_ids[random_rows] = self._sample(logits[random_rows], [params[i] for i in random_rows], draws)
         ids = token_ids.tolist()
         return SamplerOutput(ids, self._logprobs(logits, ids, params))
 
-    def _sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
-    ) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], draw_seeds: list[int]) -> torch.Tensor:
         temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
         logits = logits / temperatures[:, None]
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             logits = apply_top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
         # Exponential race: argmax(p / E), E ~ Exp(1), draws index i with probability p_i.
-        noise = torch.stack([torch.empty_like(row).exponential_(generator=g) for row, g in zip(probs, generators)])
+        noise = torch.empty_like(probs)
+        generator = self._generator(probs.device)
+        for row, seed in enumerate(draw_seeds):
+            noise[row].exponential_(generator=generator.manual_seed(seed))
         return (probs / noise).argmax(dim=-1)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device]
 
     @staticmethod
     def _logprobs(
@@ -65,6 +75,22 @@ class Sampler:
             top = dict(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist()))
             result[i] = TokenLogprob(token_ids[i], logprobs[row, token_ids[i]].item(), top)
         return result
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed for output token `position` of a request seeded `seed`: splitmix64
+    over both, so that neighbouring seeds and positions give unrelated draws."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ position)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

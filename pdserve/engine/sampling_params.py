@@ -13,6 +13,9 @@ class SamplingParams:
     `seed` makes sampling reproducible per request, whatever else shares the batch.
     `logprobs` None returns nothing; N >= 0 returns the sampled token's log-probability
     plus the N most likely alternatives.
+    `num_prior_output_tokens`: output tokens generated before this request began (a stream
+    resumed on another node, whose prompt ends with them): the next token is output number
+    `num_prior_output_tokens`, and a seeded request draws for it what the uninterrupted one would.
     """
 
     max_tokens: int = 16
@@ -23,6 +26,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    num_prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -35,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive count, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.num_prior_output_tokens < 0:
+            raise ValueError(f"num_prior_output_tokens must be >= 0, got {self.num_prior_output_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property

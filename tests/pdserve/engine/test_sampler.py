@@ -1,20 +1,18 @@
-"""Sampler and SamplingParams: greedy, seeded reproducibility, top-k / top-p support, the
-temperature-scaled distribution, logprobs, and parameter validation."""
+"""Sampler and SamplingParams: greedy, seeded reproducibility (per batch, per output position,
+across an interruption and resumption elsewhere), top-k / top-p support, the temperature-scaled
+distribution, logprobs, and parameter validation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.engine.sampler import Sampler, apply_top_k_top_p
+from pdserve.engine import CacheConfig, EngineConfig, LLMEngine
+from pdserve.engine.sampler import Sampler, apply_top_k_top_p, draw_seed
 from pdserve.engine.sampling_params import SamplingParams
 
 VOCAB = 50
 CHI2_DF3_P001 = 16.27  # chi-square critical value, 3 degrees of freedom, p = 0.001
-
-
-def generators(*seeds: int) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(s) for s in seeds]
 
 
 def spread_logits(seed: int = 0, scale: float = 0.5) -> torch.Tensor:
@@ -25,30 +23,31 @@ def spread_logits(seed: int = 0, scale: float = 0.5) -> torch.Tensor:
 def draw_many(
     logits_row: torch.Tensor, params: SamplingParams, num_rows: int = 500, num_calls: int = 4
 ) -> torch.Tensor:
-    """num_rows * num_calls draws of one distribution: a batch of rows, each with its own generator."""
+    """num_rows * num_calls draws of one distribution: a batch of rows, each with its own seed."""
     sampler = Sampler()
     logits = logits_row.expand(num_rows, -1).clone()
-    gens = generators(*range(num_rows))
-    draws = [sampler(logits, [params] * num_rows, gens).token_ids for _ in range(num_calls)]
+    seeds = list(range(num_rows))
+    draws = [sampler(logits, [params] * num_rows, seeds, [call] * num_rows).token_ids for call in range(num_calls)]
     return torch.tensor(draws).flatten()
 
 
-def test_greedy_takes_the_argmax_and_leaves_the_generator_alone():
+def draw_sequence(sampler: Sampler, row: torch.Tensor, params: SamplingParams, positions: range) -> list[int]:
+    """One row's draws at consecutive output positions."""
+    return [sampler(row[None], [params], [params.seed], [position]).token_ids[0] for position in positions]
+
+
+def test_greedy_takes_the_argmax():
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
-    gens = generators(0, 1, 2)
-    states = [g.get_state() for g in gens]
-    out = Sampler()(logits, [SamplingParams(temperature=0.0)] * 3, gens)
+    out = Sampler()(logits, [SamplingParams(temperature=0.0)] * 3, [0, 1, 2], [0, 0, 0])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [None, None, None]
-    assert all(torch.equal(g.get_state(), s) for g, s in zip(gens, states))
 
 
 def test_greedy_and_random_rows_mix_in_one_batch():
     logits = torch.stack([spread_logits(1), spread_logits(2)])
     logits[0, 7] = 100.0
-    out = Sampler()(
-        logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)], generators(0, 1)
-    )
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)]
+    out = Sampler()(logits, params, [0, 1], [0, 0])
     assert out.token_ids == [7, int(logits[1].argmax())]
 
 
@@ -58,12 +57,11 @@ def test_seeded_row_draws_the_same_tokens_whatever_shares_its_batch():
     seeded = SamplingParams(temperature=1.0, seed=1234)
     others = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=3)]
 
-    alone_gen = generators(1234)
-    alone = [sampler(row[None], [seeded], alone_gen).token_ids[0] for _ in range(20)]
+    alone = draw_sequence(sampler, row, seeded, range(20))
 
-    batch_gens = generators(5, 1234, 6)
     batch = torch.stack([spread_logits(4), row, spread_logits(5)])
-    in_batch = [sampler(batch, [others[0], seeded, others[1]], batch_gens).token_ids[1] for _ in range(20)]
+    batch_params = [others[0], seeded, others[1]]
+    in_batch = [sampler(batch, batch_params, [5, 1234, 6], [7, p, 3 * p]).token_ids[1] for p in range(20)]
 
     assert in_batch == alone
     assert len(set(alone)) > 5  # really sampling, not a constant
@@ -71,11 +69,34 @@ def test_seeded_row_draws_the_same_tokens_whatever_shares_its_batch():
 
 def test_different_seeds_draw_different_tokens():
     sampler = Sampler()
-    row = spread_logits(3)[None]
-    gen_a, gen_b = generators(1, 2)
-    a = [sampler(row, [SamplingParams()], [gen_a]).token_ids[0] for _ in range(20)]
-    b = [sampler(row, [SamplingParams()], [gen_b]).token_ids[0] for _ in range(20)]
+    row = spread_logits(3)
+    a = draw_sequence(sampler, row, SamplingParams(seed=1), range(20))
+    b = draw_sequence(sampler, row, SamplingParams(seed=2), range(20))
     assert a != b
+
+
+def test_a_draw_depends_on_the_seed_and_the_position_only():
+    """A stream interrupted at position k and resumed by a fresh sampler (another node) draws
+    what the uninterrupted one drew; draw seeds of neighbouring seeds and positions all differ."""
+    row, seeded, k = spread_logits(11), SamplingParams(seed=99), 7
+    uninterrupted = draw_sequence(Sampler(), row, seeded, range(20))
+    resumed = draw_sequence(Sampler(), row, seeded, range(k)) + draw_sequence(Sampler(), row, seeded, range(k, 20))
+    assert resumed == uninterrupted
+    assert len({draw_seed(seed, position) for seed in range(-3, 30) for position in range(30)}) == 33 * 30
+    assert draw_seed(-1, 0) == draw_seed(2**64 - 1, 0)  # seeds are 64-bit, negative ones wrap
+
+
+def test_a_seeded_request_resumed_at_output_k_generates_the_uninterrupted_tokens(tiny_llama_path):
+    """The engine-level seam: prompt + the first k outputs, with num_prior_output_tokens = k,
+    continues with exactly the tokens the uninterrupted request drew (in another batch, too)."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), cache=CacheConfig(block_size=16, num_blocks=64)))
+    prompt, seeded, k = list(range(3, 40)), SamplingParams(max_tokens=16, temperature=1.5, seed=7), 5
+    (whole,) = engine.generate([prompt], seeded)
+    resumed_params = SamplingParams(max_tokens=16 - k, temperature=1.5, seed=7, num_prior_output_tokens=k)
+    other = SamplingParams(max_tokens=4, temperature=1.0, seed=8)
+    resumed, _ = engine.generate([prompt + whole.token_ids[:k], list(range(100, 130))], [resumed_params, other])
+    assert whole.token_ids[:k] + resumed.token_ids == whole.token_ids
+    assert len(set(whole.token_ids)) > 5  # really sampling, not a constant
 
 
 def test_top_k_never_draws_outside_the_k_highest_logits():
@@ -141,7 +162,7 @@ def test_temperature_sampling_follows_the_scaled_softmax():
 def test_logprobs_of_the_sampled_token_and_top_alternatives():
     logits = torch.stack([spread_logits(8, scale=2.0), spread_logits(9, scale=2.0), spread_logits(10)])
     params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(logprobs=0), SamplingParams()]
-    out = Sampler()(logits, params, generators(0, 1, 2))
+    out = Sampler()(logits, params, [0, 1, 2], [0, 0, 0])
     expected = torch.log_softmax(logits, dim=-1)
 
     greedy = out.logprobs[0]
@@ -168,6 +189,7 @@ def test_logprobs_of_the_sampled_token_and_top_alternatives():
         dict(top_k=-2),
         dict(logprobs=-1),
         dict(logprobs=21),
+        dict(num_prior_output_tokens=-1),
     ],
     ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()),
 )
