@@ -1,6 +1,6 @@
 """The gateway's backend over real nodes: gRPC to prefill and decode nodes found in Redis.
 
-Lifecycle of one request (disaggregated):
+Lifecycle of one attempt (disaggregated):
   0. the router picks a prefill and a decode node (gateway/router.py: by policy, load and the
      prompt's cached prefix on each node);
   1. open the decode node's Generate stream; it reserves blocks and says `reserved` (how many
@@ -9,8 +9,9 @@ Lifecycle of one request (disaggregated):
      as soon as it is sampled and is streamed to the client at once;
   3. if it did not end the request, relay the decode node's token chunks until the last.
 With colocated nodes (no prefill/decode split) step 2 is skipped: the node computes the
-prompt itself. A node that refuses or fails before any token was sent is routed around: the call
-that failed names its node (`NodeCallError`), and only that node is left out of the next attempt.
+prompt itself. A request runs as many attempts as gateway/failover.py allows: a node that fails
+before any token was sent is routed around, and a stream that breaks after tokens were sent is
+resumed on other nodes from the prompt plus those tokens.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 from prometheus_client import Counter
 
-from gateway.backend import BackendError, BackendErrorKind, GenerationChunk
+from gateway.backend import GenerationChunk
+from gateway.failover import Attempt, FailoverPolicy, NodeCallError, ResumableRequest, calling
 from gateway.router import Route, Router
 from pdserve.cluster_state.registry import NodeInfo, RegistryView
 from pdserve.engine.sampling_params import SamplingParams
@@ -38,43 +40,21 @@ CACHED_PROMPT_TOKENS = Counter(
     "pdserve_gateway_prefill_cached_tokens", "Prompt tokens each prefill node served from its prefix cache", ["node_id"]
 )
 
-MAX_ATTEMPTS = 3
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
-STATUS_TO_KIND = {
-    grpc.StatusCode.INVALID_ARGUMENT: BackendErrorKind.INVALID_REQUEST,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: BackendErrorKind.OVERLOADED,
-}
-
-
-class NodeCallError(Exception):
-    """A gRPC call to one node failed: `node` is the node whose call raised, `error` what it raised."""
-
-    def __init__(self, node: NodeInfo, error: grpc.aio.AioRpcError) -> None:
-        super().__init__(f"{node.role} node {node.node_id}: {error.code().name.lower()}: {error.details()}")
-        self.node = node
-        self.error = error
-
-    @property
-    def retryable(self) -> bool:
-        return self.error.code() in RETRYABLE
-
-
-@contextlib.contextmanager
-def calling(node: NodeInfo) -> Iterator[None]:
-    """Names the node in what a call to it raises (the router then avoids only that node)."""
-    try:
-        yield
-    except grpc.aio.AioRpcError as error:
-        raise NodeCallError(node, error) from error
-
 
 class ClusterBackend:
     """Owns one gRPC channel per node address and the router's in-flight counts."""
 
-    def __init__(self, registry: RegistryView, router: Router | None = None, kv_timeout_ms: int = 30_000) -> None:
+    def __init__(
+        self,
+        registry: RegistryView,
+        router: Router | None = None,
+        kv_timeout_ms: int = 30_000,
+        failover: FailoverPolicy | None = None,
+    ) -> None:
         self.registry = registry
         self.router = router or Router(registry)
         self.kv_timeout_ms = kv_timeout_ms
+        self.failover = failover or FailoverPolicy()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def num_nodes_by_role(self) -> dict[str, int]:
@@ -88,31 +68,26 @@ class ClusterBackend:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
-        failed_node_ids: set[str] = set()
-        last_failure: NodeCallError | None = None
-        for _ in range(MAX_ATTEMPTS):
-            route = await self.router.route(prompt_token_ids, failed_node_ids)
+        request = ResumableRequest(request_id, prompt_token_ids, params, self.failover)
+        while request.num_tokens_left > 0:
+            attempt = request.next_attempt()
+            route = await self.router.route(attempt.prompt_token_ids, request.failed_node_ids)
             if route is None:
-                break
-            sent_any = False
+                raise request.no_route_error()
             try:
                 # aclosing: when the gateway stops early (stop string), cancel the node call now.
-                async with contextlib.aclosing(self._run(request_id, prompt_token_ids, params, route)) as chunks:
+                async with contextlib.aclosing(self._run(attempt, route)) as chunks:
                     async for chunk in chunks:
-                        sent_any = True
-                        yield chunk
+                        yield request.record(chunk)
                 return
             except NodeCallError as failure:
-                if sent_any or not failure.retryable:
-                    raise _backend_error(failure) from failure
-                last_failure = failure
-                failed_node_ids.add(failure.node.node_id)  # the other node of the route stays eligible
-                logger.warning("request %s: %s, routing around it", request_id, failure)
-        if last_failure is not None:
-            raise _backend_error(last_failure)
-        raise BackendError(BackendErrorKind.UNAVAILABLE, "no healthy prefill and decode nodes are registered")
+                request.after_failure(failure)  # raises when no other attempt may run
+                logger.warning("request %s: %s; attempt %d elsewhere", request_id, failure, request.num_attempts + 1)
+        # Every token was sent but the stream broke before it said so.
+        yield GenerationChunk([], finish_reason="length")
 
-    async def _run(self, rid, prompt, params, route: Route) -> AsyncIterator[GenerationChunk]:
+    async def _run(self, attempt: Attempt, route: Route) -> AsyncIterator[GenerationChunk]:
+        rid, prompt, params = attempt.request_id, attempt.prompt_token_ids, attempt.params
         prefill, decode = route.prefill, route.decode
         call = decode_pb2_grpc.DecodeServiceStub(self._channel(decode.address)).Generate(
             decode_pb2.GenerateRequest(
@@ -154,6 +129,7 @@ class ClusterBackend:
                 yield output
                 if chunk.finish_reason:
                     return
+            raise NodeCallError(decode, grpc.StatusCode.UNAVAILABLE, "the stream ended before its last chunk")
         finally:
             call.cancel()  # no-op once finished; otherwise the decode node aborts and frees blocks
             lease.release()
@@ -203,7 +179,3 @@ async def _read(call, decode: NodeInfo):
     """The decode node's next message (or EOF)."""
     with calling(decode):
         return await call.read()
-
-
-def _backend_error(failure: NodeCallError) -> BackendError:
-    return BackendError(STATUS_TO_KIND.get(failure.error.code(), BackendErrorKind.UNAVAILABLE), str(failure))

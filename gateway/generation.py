@@ -47,7 +47,7 @@ class ChoiceDelta:
     num_tokens: int = 0  # tokens the backend produced since the last delta
     num_cached_tokens: int = 0
     finish_reason: str | None = None
-    route: str | None = None  # set on a choice's first delta when the backend reports one
+    route: str | None = None  # set when the backend reports nodes: first delta, and after a failover
 
 
 async def close_quietly(stream: object) -> None:
@@ -72,7 +72,7 @@ async def stream_choice(
             pending.logprobs += chunk.logprobs
             pending.num_tokens += len(chunk.token_ids)
             pending.num_cached_tokens = max(pending.num_cached_tokens, chunk.num_cached_tokens)
-            pending.route = pending.route or chunk.route
+            pending.route = chunk.route or pending.route
             if chunk.finish_reason is not None:
                 pending.text += detokenizer.finish()
             if detokenizer.stopped or chunk.finish_reason is not None:
@@ -100,10 +100,11 @@ class ChoiceStream:
         self._tasks = [asyncio.create_task(self._pump(stream_choice(backend, tokenizer, spec))) for spec in specs]
         self._num_running = len(self._tasks)
         self._first: ChoiceDelta | None = None
-        self.routes: dict[int, str] = {}  # choice index -> route, as first deltas arrive
+        self.routes: dict[int, str] = {}  # choice index -> its latest route (a failover moves it)
 
     def route_headers(self) -> dict[str, str]:
-        """`x-pdserve-route`: each choice's nodes and cached tokens, for the choices started so far."""
+        """`x-pdserve-route`: each choice's nodes and cached tokens, for the choices started so far
+        (a streamed response sends it with the first delta; a whole one, with the final nodes)."""
         if not self.routes:
             return {}
         return {"x-pdserve-route": ", ".join(self.routes[index] for index in sorted(self.routes))}
@@ -145,7 +146,7 @@ class ChoiceStream:
                 raise item
             else:
                 if item.route is not None:
-                    self.routes.setdefault(item.index, item.route)
+                    self.routes[item.index] = item.route
                 return item
         raise StopAsyncIteration
 

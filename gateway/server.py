@@ -11,6 +11,7 @@ from gateway.admission import AdmissionControl
 from gateway.app import create_app
 from gateway.backend import GenerationBackend
 from gateway.cluster_backend import ClusterBackend
+from gateway.failover import FailoverPolicy
 from gateway.router import Router
 from gateway.settings import GatewaySettings
 from pdserve.cluster_state.kv_index import KvIndexReader
@@ -41,7 +42,9 @@ async def serve_cluster_gateway(settings: GatewaySettings) -> None:
     await registry.start()
     kv_index = KvIndexReader(settings.redis_url)
     router = Router(registry, settings.router_policy, kv_index, settings.router_load_factor)
-    backend = ClusterBackend(registry, router)
+    backend = ClusterBackend(
+        registry, router, failover=FailoverPolicy(settings.router_max_attempts, settings.router_max_migrations)
+    )
     try:
         await serve_gateway(settings, AdmissionControl(backend, settings))
     finally:

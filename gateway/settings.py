@@ -36,6 +36,12 @@ class RouterOptions(BaseModel):
         description="prefix_aware's cap: a node above this factor x its role's mean load gets no new request "
         "(queued prompt tokens beyond one batched step on prefill nodes, requests on decode nodes)",
     )
+    router_max_attempts: int = Field(
+        3, ge=1, description="attempts on other nodes, in a row, for a request whose nodes fail before a token is sent"
+    )
+    router_max_migrations: int = Field(
+        2, ge=0, description="times a stream that breaks after tokens were sent resumes on other nodes (0: never)"
+    )
 
 
 class AdmissionOptions(BaseModel):

@@ -1,6 +1,8 @@
 """ClusterBackend over scripted prefill and decode nodes (real gRPC servers in this process):
-a failed call is blamed on the node that made it, only that node is routed around, and every
-attempt releases its place in the router's in-flight counts and its decode reservation."""
+a failed call is blamed on the node that made it, and only that node is routed around; a
+stream that breaks after tokens were sent resumes on other nodes with no gap or duplicate;
+attempts and migrations are bounded; and every attempt releases its place in the router's
+in-flight counts and its decode reservation."""
 
 from __future__ import annotations
 
@@ -14,31 +16,45 @@ import pytest
 
 from gateway.backend import BackendError, BackendErrorKind
 from gateway.cluster_backend import ClusterBackend
+from gateway.failover import MIGRATIONS, FailoverPolicy
+from gateway.generation import ChoiceSpec, stream_choice
 from gateway.router import Router
 from pdserve.cluster_state.registry import NodeCapacity, NodeInfo
 from pdserve.engine.sampling_params import SamplingParams
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 PROMPT = list(range(40))
-FIRST_TOKEN, DECODED_TOKENS = 7, [8, 9]
+# The scripted nodes' "model": output position i is SCRIPT[i], whichever node computes it. Nodes
+# know the position from num_prior_output_tokens, so a resumed stream continues the same list.
+SCRIPT = list(range(100, 164))
 # Reservation name -> set once a prefill node "pushed" its pages (names are unique per reservation).
 PAGES_ARRIVED: dict[str, asyncio.Event] = {}
 
 
 class ScriptedDecode(decode_pb2_grpc.DecodeServiceServicer):
-    """Reserves, waits for a prefill node to push the pages, then streams DECODED_TOKENS; or
-    aborts with `fail` before reserving (`fail_after_reserved`: once the pages are in); with
-    `hang`, it decodes forever once the pages are in. `ended` records how each call ended."""
+    """Reserves, waits for a prefill node to push the pages, then streams the script from the
+    position after the prefill node's first token up to max_tokens; or aborts with `fail` before
+    reserving (`fail_after_reserved`: once the pages are in); `break_after`: aborts UNAVAILABLE
+    after that many decoded chunks (a node dying mid-stream); `end_after`: ends the stream there
+    without its last chunk; `hang`: decodes forever once the pages are in. Records each call's
+    request and how it ended."""
 
     def __init__(
-        self, fail: grpc.StatusCode | None = None, fail_after_reserved: bool = False, hang: bool = False
+        self,
+        fail: grpc.StatusCode | None = None,
+        fail_after_reserved: bool = False,
+        hang: bool = False,
+        break_after: int | None = None,
+        end_after: int | None = None,
+        script: list[int] = SCRIPT,
     ) -> None:
-        self.fail = fail
-        self.fail_after_reserved = fail_after_reserved
-        self.hang = hang
-        self.ended: list[tuple[str, str]] = []  # (request id, "finished" | "cancelled" | "failed")
+        self.fail, self.fail_after_reserved, self.hang = fail, fail_after_reserved, hang
+        self.break_after, self.end_after, self.script = break_after, end_after, script
+        self.requests: list[decode_pb2.GenerateRequest] = []
+        self.ended: list[tuple[str, str]] = []  # (request id, "finished" | "cancelled" | "failed" | "ended")
 
     async def Generate(self, request, context):
+        self.requests.append(request)
         try:
             if self.fail is not None and not self.fail_after_reserved:
                 self.ended.append((request.request_id, "failed"))
@@ -57,30 +73,49 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServiceServicer):
                 await context.abort(self.fail, "decode node going away")
             if self.hang:
                 await asyncio.Event().wait()
-            for i, token in enumerate(DECODED_TOKENS):
-                last = i == len(DECODED_TOKENS) - 1
-                chunk = decode_pb2.TokenChunk(token_ids=[token], finish_reason="length" if last else "")
-                yield decode_pb2.GenerateResponse(chunk=chunk)
-            self.ended.append((request.request_id, "finished"))
+            async for message in self._decode(request, context):
+                yield message
         except asyncio.CancelledError:  # the gateway cancelled the call: a real node frees the blocks here
             self.ended.append((request.request_id, "cancelled"))
             raise
 
+    async def _decode(self, request, context):
+        prior, max_tokens = request.sampling_params.num_prior_output_tokens, request.sampling_params.max_tokens
+        for i in range(1, max_tokens):  # output 0 of this request is the prefill node's first token
+            if i - 1 == self.break_after:
+                self.ended.append((request.request_id, "failed"))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed")
+            if i - 1 == self.end_after:
+                self.ended.append((request.request_id, "ended"))
+                return
+            last = i == max_tokens - 1
+            chunk = decode_pb2.TokenChunk(token_ids=[self.script[prior + i]], finish_reason="length" if last else "")
+            yield decode_pb2.GenerateResponse(chunk=chunk)
+        self.ended.append((request.request_id, "finished"))
+
 
 class ScriptedPrefill(prefill_pb2_grpc.PrefillServiceServicer):
-    """Pushes the pages and answers FIRST_TOKEN, or aborts with `fail`; records the decode
-    address of each call."""
+    """Pushes the pages and answers the script's token at the request's first position (the
+    last one when max_tokens is 1: no push), or aborts with `fail`; records each request."""
 
-    def __init__(self, fail: grpc.StatusCode | None = None) -> None:
-        self.fail = fail
-        self.decode_addresses: list[str] = []
+    def __init__(self, fail: grpc.StatusCode | None = None, script: list[int] = SCRIPT) -> None:
+        self.fail, self.script = fail, script
+        self.requests: list[prefill_pb2.PrefillRequest] = []
+
+    @property
+    def decode_addresses(self) -> list[str]:
+        return [r.decode_address for r in self.requests]
 
     async def Prefill(self, request, context):
-        self.decode_addresses.append(request.decode_address)
+        self.requests.append(request)
         if self.fail is not None:
             await context.abort(self.fail, "prefill node going away")  # no address: blame comes from the call
+        params = request.sampling_params
+        first = self.script[params.num_prior_output_tokens]
+        if params.max_tokens == 1:
+            return prefill_pb2.PrefillResponse(first_token_id=first, finished=True, finish_reason="length")
         PAGES_ARRIVED[request.decode_shm_name].set()
-        return prefill_pb2.PrefillResponse(first_token_id=FIRST_TOKEN)
+        return prefill_pb2.PrefillResponse(first_token_id=first)
 
 
 class FixedRegistry:
@@ -104,7 +139,7 @@ def dead_address() -> str:
 
 
 @asynccontextmanager
-async def cluster(**servicers):
+async def cluster(failover: FailoverPolicy | None = None, **servicers):
     """One gRPC server per scripted node (node_id -> servicer, or None for a dead node); yields
     the backend over them."""
     servers, nodes = [], []
@@ -120,7 +155,7 @@ async def cluster(**servicers):
         await server.start()
         servers.append(server)
         nodes.append(node_info(node_id, role, f"127.0.0.1:{port}"))
-    backend = ClusterBackend(FixedRegistry(nodes), Router(FixedRegistry(nodes)))
+    backend = ClusterBackend(FixedRegistry(nodes), Router(FixedRegistry(nodes)), failover=failover)
     try:
         yield backend
     finally:
@@ -129,10 +164,10 @@ async def cluster(**servicers):
             await server.stop(0)
 
 
-async def generate(backend: ClusterBackend, num_chunks: int | None = None) -> list:
-    """The tokens of every chunk (or of the first `num_chunks`, closing the stream early)."""
+async def generate(backend: ClusterBackend, num_chunks: int | None = None, max_tokens: int = 3, **sampling) -> list:
+    """The chunks of the request (or its first `num_chunks`, closing the stream early)."""
     chunks = []
-    stream = backend.generate("req", PROMPT, SamplingParams(max_tokens=3))
+    stream = backend.generate("req", PROMPT, SamplingParams(max_tokens=max_tokens, **sampling))
     try:
         async for chunk in stream:
             chunks.append(chunk)
@@ -141,6 +176,10 @@ async def generate(backend: ClusterBackend, num_chunks: int | None = None) -> li
     finally:
         await stream.aclose()
     return chunks
+
+
+def tokens(chunks: list) -> list[int]:
+    return [token for chunk in chunks for token in chunk.token_ids]
 
 
 def assert_released(backend: ClusterBackend) -> None:
@@ -159,13 +198,14 @@ def test_a_failing_prefill_node_is_retried_on_another_with_the_same_decode_node(
             return chunks, backend.registry.nodes("decode")[0].address
 
     chunks, decode_address = asyncio.run(main())
-    assert [c.token_ids for c in chunks] == [[FIRST_TOKEN], *([t] for t in DECODED_TOKENS)]
-    assert chunks[0].route.startswith("prefill=p1; decode=d0")
+    assert [c.token_ids for c in chunks] == [[t] for t in SCRIPT[:3]]
+    assert chunks[0].route.startswith("prefill=p1; decode=d0") and "migrations" not in chunks[0].route
     assert good.decode_addresses == [decode_address]
     if bad is not None:
         assert bad.decode_addresses == [decode_address]
-    # The first attempt's reservation was cancelled (the decode node freed its blocks), the second finished.
-    assert decode.ended == [("req", "cancelled"), ("req", "finished")]
+    # The first attempt's reservation was cancelled (the decode node freed its blocks); the
+    # second, under its own request id, finished.
+    assert decode.ended == [("req", "cancelled"), ("req.1", "finished")]
 
 
 def test_a_failing_decode_node_is_routed_around_and_the_prefill_node_stays_eligible():
@@ -179,9 +219,9 @@ def test_a_failing_decode_node_is_routed_around_and_the_prefill_node_stays_eligi
 
     chunks, addresses = asyncio.run(main())
     assert chunks[0].route.startswith("prefill=p0; decode=d1")
-    assert [c.token_ids for c in chunks] == [[FIRST_TOKEN], *([t] for t in DECODED_TOKENS)]
+    assert tokens(chunks) == SCRIPT[:3]
     assert prefill.decode_addresses == [addresses["d1"]]  # d0 failed before its prefill was called
-    assert (bad.ended, good.ended) == ([("req", "failed")], [("req", "finished")])
+    assert (bad.ended, good.ended) == ([("req", "failed")], [("req.1", "finished")])
 
 
 def test_when_every_node_of_a_role_fails_the_last_failure_is_reported():
@@ -198,8 +238,22 @@ def test_when_every_node_of_a_role_fails_the_last_failure_is_reported():
     error = asyncio.run(main())
     assert error.kind == BackendErrorKind.UNAVAILABLE
     assert error.message == "prefill node p1: unavailable: prefill node going away"
-    assert [len(p.decode_addresses) for p in failing] == [1, 1]
-    assert decode.ended == [("req", "cancelled"), ("req", "cancelled")]
+    assert [len(p.requests) for p in failing] == [1, 1]
+    assert decode.ended == [("req", "cancelled"), ("req.1", "cancelled")]
+
+
+def test_attempts_that_send_nothing_are_bounded():
+    failing = [ScriptedPrefill(fail=grpc.StatusCode.UNAVAILABLE) for _ in range(3)]
+
+    async def main():
+        nodes = dict(p0=failing[0], p1=failing[1], p2=failing[2], d0=ScriptedDecode())
+        async with cluster(FailoverPolicy(max_attempts=2), **nodes) as backend:
+            with pytest.raises(BackendError, match="prefill node p1: unavailable"):
+                await generate(backend)
+            assert_released(backend)
+
+    asyncio.run(main())
+    assert [len(p.requests) for p in failing] == [1, 1, 0]
 
 
 def test_a_refused_request_is_not_retried():
@@ -214,24 +268,84 @@ def test_a_refused_request_is_not_retried():
             return raised.value
 
     assert asyncio.run(main()).kind == BackendErrorKind.INVALID_REQUEST
-    assert other.decode_addresses == []
+    assert other.requests == []
     assert decode.ended == [("req", "cancelled")]
 
 
-def test_a_decode_node_failing_after_the_first_token_ends_the_request():
-    prefill, decode = ScriptedPrefill(), ScriptedDecode(fail=grpc.StatusCode.UNAVAILABLE, fail_after_reserved=True)
-    spare = ScriptedDecode()
+@pytest.mark.parametrize("how", ["breaks", "ends early"])
+def test_a_stream_that_breaks_after_tokens_were_sent_resumes_on_another_decode_node(how):
+    """Two tokens reach the client (the prefill node's and one decoded), then d0 goes: d1
+    continues from the third, asked for prompt + those two tokens and the 4 tokens still due."""
+    broken = ScriptedDecode(break_after=1) if how == "breaks" else ScriptedDecode(end_after=1)
+    prefill, spare = ScriptedPrefill(), ScriptedDecode()
+    migrations_before = MIGRATIONS.labels("d0")._value.get()
 
     async def main():
-        async with cluster(p0=prefill, d0=decode, d1=spare) as backend:
-            stream = backend.generate("req", PROMPT, SamplingParams(max_tokens=3))
-            assert (await anext(stream)).token_ids == [FIRST_TOKEN]
-            with pytest.raises(BackendError, match="decode node d0: unavailable"):
-                await anext(stream)
+        async with cluster(p0=prefill, d0=broken, d1=spare) as backend:
+            chunks = await generate(backend, max_tokens=6, temperature=0.8, seed=5)
             assert_released(backend)
+            return chunks
 
-    asyncio.run(main())
-    assert spare.ended == []  # the first token was sent: no retry elsewhere
+    chunks = asyncio.run(main())
+    assert tokens(chunks) == SCRIPT[:6]  # no gap, no duplicate
+    assert chunks[-1].finish_reason == "length"
+    routes = [c.route for c in chunks if c.route is not None]
+    assert routes[0].startswith("prefill=p0; decode=d0") and "migrations" not in routes[0]
+    assert routes[1].startswith("prefill=p0; decode=d1") and routes[1].endswith("; migrations=1")
+    resumed = spare.requests[0]
+    assert (resumed.request_id, list(resumed.prompt_token_ids)) == ("req.1", PROMPT + SCRIPT[:2])
+    params = resumed.sampling_params
+    assert (params.max_tokens, params.num_prior_output_tokens, params.seed) == (4, 2, 5)
+    assert list(prefill.requests[1].prompt_token_ids) == PROMPT + SCRIPT[:2]
+    assert broken.ended == [("req", "failed" if how == "breaks" else "ended")]
+    assert spare.ended == [("req.1", "finished")]
+    assert MIGRATIONS.labels("d0")._value.get() == migrations_before + 1
+
+
+def test_migrations_are_bounded():
+    decodes = {f"d{i}": ScriptedDecode(break_after=1) for i in range(4)}
+
+    async def main():
+        async with cluster(FailoverPolicy(max_migrations=2), p0=ScriptedPrefill(), **decodes) as backend:
+            sent = []
+            with pytest.raises(BackendError, match="decode node d2: unavailable: Stream removed") as raised:
+                async for chunk in backend.generate("req", PROMPT, SamplingParams(max_tokens=10)):
+                    sent += chunk.token_ids
+            assert_released(backend)
+            return sent, raised.value
+
+    sent, error = asyncio.run(main())
+    assert error.kind == BackendErrorKind.UNAVAILABLE
+    assert sent == SCRIPT[:6]  # two tokens per decode node: the first, two migrations, then the error
+    assert [len(d.requests) for d in decodes.values()] == [1, 1, 1, 0]
+
+
+def test_the_detokenizer_and_stop_strings_work_across_the_seam(tokenizer):
+    """The break falls inside an emoji's bytes and inside the stop string: the text is whole."""
+    text = "Café 😀 done.\nUser: more words that never show"
+    script = tokenizer.encode(text, add_special_tokens=False)
+    emoji_end = len(tokenizer.encode("Café 😀", add_special_tokens=False))
+    stop_end = len(tokenizer.encode("Café 😀 done.\nUser:", add_special_tokens=False))
+    assert emoji_end < stop_end < len(script)
+    first = ScriptedDecode(break_after=emoji_end - 2, script=script)  # the emoji's last token not yet sent
+    second = ScriptedDecode(break_after=stop_end - emoji_end - 2, script=script)  # inside "\nUser:"
+    spec = ChoiceSpec(0, "req", PROMPT, SamplingParams(max_tokens=len(script)), stop=("\nUser:",))
+
+    async def main():
+        async with cluster(
+            p0=ScriptedPrefill(script=script), d0=first, d1=second, d2=ScriptedDecode(script=script)
+        ) as b:
+            deltas = [delta async for delta in stream_choice(b, tokenizer, spec)]
+            assert_released(b)
+            return deltas
+
+    deltas = asyncio.run(main())
+    assert "".join(d.text for d in deltas) == "Café 😀 done."
+    assert deltas[-1].finish_reason == "stop"
+    assert not any("\ufffd" in d.text for d in deltas)
+    routes = [d.route for d in deltas if d.route is not None]
+    assert routes[0].startswith("prefill=p0; decode=d0") and "decode=d2" in routes[-1]
+    assert routes[-1].endswith("; migrations=2")
 
 
 def test_closing_the_stream_early_cancels_the_decode_call_and_releases_the_nodes():
@@ -239,9 +353,23 @@ def test_closing_the_stream_early_cancels_the_decode_call_and_releases_the_nodes
 
     async def main():
         async with cluster(p0=ScriptedPrefill(), d0=decode) as backend:
-            assert [c.token_ids for c in await generate(backend, num_chunks=1)] == [[FIRST_TOKEN]]
+            assert [c.token_ids for c in await generate(backend, num_chunks=1)] == [SCRIPT[:1]]
             assert_released(backend)
             await asyncio.sleep(0.05)  # the cancellation reaches the decode node
 
     asyncio.run(main())
     assert decode.ended == [("req", "cancelled")]
+
+
+def test_closing_a_resumed_stream_cancels_it_and_releases_the_nodes():
+    broken, hanging = ScriptedDecode(break_after=1), ScriptedDecode(hang=True)
+
+    async def main():
+        async with cluster(p0=ScriptedPrefill(), d0=broken, d1=hanging) as backend:
+            chunks = await generate(backend, num_chunks=3, max_tokens=8)  # the third: d1's first token
+            assert_released(backend)
+            await asyncio.sleep(0.05)  # the cancellation reaches the decode node
+            return chunks
+
+    assert tokens(asyncio.run(main())) == SCRIPT[:3]
+    assert hanging.ended == [("req.1", "cancelled")]
