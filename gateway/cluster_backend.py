@@ -71,7 +71,7 @@ class ClusterBackend:
         request = ResumableRequest(request_id, prompt_token_ids, params, self.failover)
         while request.num_tokens_left > 0:
             attempt = request.next_attempt()
-            route = await self.router.route(attempt.prompt_token_ids, request.failed_node_ids)
+            route = await self._route(attempt, request.failed_node_ids)
             if route is None:
                 raise request.no_route_error()
             try:
@@ -85,6 +85,15 @@ class ClusterBackend:
                 logger.warning("request %s: %s; attempt %d elsewhere", request_id, failure, request.num_attempts + 1)
         # Every token was sent but the stream broke before it said so.
         yield GenerationChunk([], finish_reason="length")
+
+    async def _route(self, attempt: Attempt, failed_node_ids: set[str]) -> Route | None:
+        """Nodes that have not failed this request; if every node of a role has, any registered
+        ones: a failure may have been passing (a node that dropped one reservation), a dead node
+        leaves the registry within its TTL, and the attempt bound still holds."""
+        route = await self.router.route(attempt.prompt_token_ids, failed_node_ids)
+        if route is None and failed_node_ids:
+            route = await self.router.route(attempt.prompt_token_ids)
+        return route
 
     async def _run(self, attempt: Attempt, route: Route) -> AsyncIterator[GenerationChunk]:
         rid, prompt, params = attempt.request_id, attempt.prompt_token_ids, attempt.params

@@ -4,7 +4,7 @@ Lifecycle of one request (`ClusterBackend.generate` runs the attempts, this modu
   1. `next_attempt` says what to ask the nodes for: the first attempt is the client's request;
   2. every chunk passes through `record` on its way to the client: its tokens count as sent;
   3. a node call fails (`NodeCallError` names the node whose call it was): that node is left out
-     of this request's later attempts, and `after_failure`
+     of this request's later attempts (unless none of its role would be left), and `after_failure`
        - retries on other nodes when this attempt sent nothing, at most `max_attempts` attempts
          in a row that send nothing;
        - resumes elsewhere (a migration) when it sent tokens, at most `max_migrations` times:

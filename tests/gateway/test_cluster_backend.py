@@ -96,10 +96,13 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServiceServicer):
 
 class ScriptedPrefill(prefill_pb2_grpc.PrefillServiceServicer):
     """Pushes the pages and answers the script's token at the request's first position (the
-    last one when max_tokens is 1: no push), or aborts with `fail`; records each request."""
+    last one when max_tokens is 1: no push), or aborts with `fail` (its first `num_failures`
+    calls only, if given); records each request."""
 
-    def __init__(self, fail: grpc.StatusCode | None = None, script: list[int] = SCRIPT) -> None:
-        self.fail, self.script = fail, script
+    def __init__(
+        self, fail: grpc.StatusCode | None = None, num_failures: int | None = None, script: list[int] = SCRIPT
+    ) -> None:
+        self.fail, self.num_failures, self.script = fail, num_failures, script
         self.requests: list[prefill_pb2.PrefillRequest] = []
 
     @property
@@ -108,7 +111,7 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def Prefill(self, request, context):
         self.requests.append(request)
-        if self.fail is not None:
+        if self.fail is not None and (self.num_failures is None or len(self.requests) <= self.num_failures):
             await context.abort(self.fail, "prefill node going away")  # no address: blame comes from the call
         params = request.sampling_params
         first = self.script[params.num_prior_output_tokens]
@@ -224,7 +227,7 @@ def test_a_failing_decode_node_is_routed_around_and_the_prefill_node_stays_eligi
     assert (bad.ended, good.ended) == ([("req", "failed")], [("req.1", "finished")])
 
 
-def test_when_every_node_of_a_role_fails_the_last_failure_is_reported():
+def test_when_every_node_of_a_role_fails_they_are_tried_again_within_the_bound():
     failing = [ScriptedPrefill(fail=grpc.StatusCode.UNAVAILABLE) for _ in range(2)]
     decode = ScriptedDecode()
 
@@ -237,9 +240,25 @@ def test_when_every_node_of_a_role_fails_the_last_failure_is_reported():
 
     error = asyncio.run(main())
     assert error.kind == BackendErrorKind.UNAVAILABLE
-    assert error.message == "prefill node p1: unavailable: prefill node going away"
-    assert [len(p.requests) for p in failing] == [1, 1]
-    assert decode.ended == [("req", "cancelled"), ("req.1", "cancelled")]
+    assert error.message == "prefill node p0: unavailable: prefill node going away"
+    assert [len(p.requests) for p in failing] == [2, 1]  # p0, p1, then p0 again: three attempts
+    assert decode.ended == [("req", "cancelled"), ("req.1", "cancelled"), ("req.2", "cancelled")]
+
+
+def test_the_only_node_of_a_role_is_tried_again_after_a_passing_failure():
+    """A prefill node that dropped one request (its decode side gave up, say) is not dead: with
+    no other prefill node, the next attempt goes to it again."""
+    flaky, decode = ScriptedPrefill(fail=grpc.StatusCode.ABORTED, num_failures=1), ScriptedDecode()
+
+    async def main():
+        async with cluster(p0=flaky, d0=decode) as backend:
+            chunks = await generate(backend)
+            assert_released(backend)
+            return chunks
+
+    assert tokens(asyncio.run(main())) == SCRIPT[:3]
+    assert len(flaky.requests) == 2
+    assert decode.ended == [("req", "cancelled"), ("req.1", "finished")]
 
 
 def test_attempts_that_send_nothing_are_bounded():

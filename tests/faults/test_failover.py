@@ -1,0 +1,132 @@
+"""SIGKILL of one of two decode nodes while its streams are running: every stream completes (the
+gateway resumes each broken one on the other decode node from the prompt plus the tokens already
+sent), the greedy texts equal an undisturbed run's, and nothing stays counted or reserved."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import httpx
+import pytest
+
+from pdserve.launcher import Launcher
+from tests.e2e.helpers import e2e_plan, metric_samples, wait_until
+from tests.factories import build_tiny_chat_model
+from tests.faults.test_overload import node_infos
+
+pytestmark = pytest.mark.timeout(300)
+
+NUM_STREAMS = 8
+MAX_TOKENS = 64
+KILL_AFTER_CHUNKS = 4  # of the watched stream: the kill lands mid-stream, long before its 64th token
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = str(build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")))
+    # least_load spreads the streams over both decode nodes at once (they share no cached prefix yet).
+    plan = e2e_plan(
+        model, tmp_path_factory.mktemp("logs"), num_decode=2, gateway_args=("--router-policy", "least_load")
+    )
+    with Launcher(plan) as running:
+        yield running
+
+
+class Stream:
+    """One streamed chat as it arrives: its decode node (from the route header), the text chunks."""
+
+    def __init__(self) -> None:
+        self.decode_node = ""
+        self.chunks: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: dict = {}
+        self.started = asyncio.Event()  # the route header is in
+        self.progress = asyncio.Event()  # set at every chunk
+
+
+async def stream_chat(client: httpx.AsyncClient, model: str, i: int, stream: Stream) -> Stream:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"Question {i}: tell me about the number {i * 7}."}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        route = dict(part.split("=", 1) for part in response.headers["x-pdserve-route"].split("; "))
+        stream.decode_node = route["decode"]
+        stream.started.set()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            assert "error" not in event, event
+            stream.usage = event.get("usage") or stream.usage
+            for choice in event["choices"]:
+                stream.chunks.append(choice["delta"].get("content") or "")
+                stream.finish_reason = choice["finish_reason"] or stream.finish_reason
+            stream.progress.set()
+    return stream
+
+
+async def run_streams(base_url: str, kill=None) -> list[Stream]:
+    """NUM_STREAMS concurrent chats; `kill(streams)`, if given, runs beside them."""
+    streams = [Stream() for _ in range(NUM_STREAMS)]
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        tasks = [asyncio.create_task(stream_chat(client, model, i, s)) for i, s in enumerate(streams)]
+        if kill is not None:
+            await kill(streams)
+        return await asyncio.gather(*tasks)
+
+
+def test_killing_a_decode_node_mid_stream_resumes_every_stream_with_the_same_text(cluster):
+    undisturbed = asyncio.run(run_streams(cluster.base_url))
+    killed: dict = {}
+
+    async def kill_when_a_stream_is_under_way(streams: list[Stream]) -> None:
+        await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in streams)), 60)
+        watched = streams[0]
+        while len(watched.chunks) < KILL_AFTER_CHUNKS:
+            watched.progress.clear()
+            await asyncio.wait_for(watched.progress.wait(), 60)
+        cluster.send_signal(watched.decode_node, signal.SIGKILL)
+        on_node = [s for s in streams if s.decode_node == watched.decode_node]
+        killed.update(node=watched.decode_node, mid_stream=sum(s.finish_reason is None for s in on_node))
+        killed["num_streams"] = len(on_node)
+
+    disturbed = asyncio.run(run_streams(cluster.base_url, kill_when_a_stream_is_under_way))
+
+    assert 1 <= killed["mid_stream"] <= killed["num_streams"] < NUM_STREAMS, killed
+    assert [s.finish_reason for s in disturbed] == ["length"] * NUM_STREAMS
+    assert ["".join(s.chunks) for s in disturbed] == ["".join(s.chunks) for s in undisturbed]
+    # The original prompt and every token (cached tokens differ: the second run hits the prefix cache).
+    assert [s.usage["prompt_tokens"] for s in disturbed] == [s.usage["prompt_tokens"] for s in undisturbed]
+    assert [s.usage["completion_tokens"] for s in disturbed] == [MAX_TOKENS] * NUM_STREAMS
+    assert cluster.child(killed["node"]).process.wait(timeout=10) == -signal.SIGKILL
+    migrations = metric_samples(cluster.base_url, "pdserve_gateway_migrations_total", node_id=killed["node"])
+    # Every stream still running on the node moved once; one whose last token was already on its way did not.
+    assert 1 <= sum(value for _, value in migrations) <= killed["mid_stream"], (migrations, killed)
+    assert_nothing_left(cluster, killed["node"])
+
+
+def assert_nothing_left(cluster: Launcher, dead_node: str) -> None:
+    def drained() -> bool:
+        in_flight = [value for _, value in metric_samples(cluster.base_url, "pdserve_gateway_in_flight_requests")]
+        return not any(in_flight)
+
+    wait_until(drained, 10, "the gateway's in-flight counts to return to 0")
+
+    def nodes_idle() -> bool:  # the killed node's entry lingers until its TTL: only the live ones count
+        live = [info for info in node_infos(cluster.redis_url) if info.node_id != dead_node]
+        return len(live) == 2 and all(
+            info.load.num_pending_transfers == 0 and info.load.num_free_blocks == info.capacity.num_blocks
+            for info in live
+        )
+
+    wait_until(nodes_idle, 10, "the live nodes to report no pending transfer and all blocks free")
