@@ -1,6 +1,7 @@
 """SIGKILL of one of two decode nodes while its streams are running: every stream completes (the
 gateway resumes each broken one on the other decode node from the prompt plus the tokens already
-sent), the greedy texts equal an undisturbed run's, and nothing stays counted or reserved."""
+sent), the greedy texts and the seeded sampled ones equal an undisturbed run's, and nothing
+stays counted or reserved."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ async def stream_chat(client: httpx.AsyncClient, model: str, i: int, stream: Str
         "model": model,
         "messages": [{"role": "user", "content": f"Question {i}: tell me about the number {i * 7}."}],
         "max_tokens": MAX_TOKENS,
-        "temperature": 0,
+        # Streams 2, 3, 6, 7 sample with a seed (whichever node they land on); the others are greedy.
+        **({"temperature": 1.0, "seed": i} if i % 4 >= 2 else {"temperature": 0}),
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -85,7 +87,7 @@ async def run_streams(base_url: str, kill=None) -> list[Stream]:
         return await asyncio.gather(*tasks)
 
 
-def test_killing_a_decode_node_mid_stream_resumes_every_stream_with_the_same_text(cluster):
+def test_killing_a_decode_node_mid_stream_resumes_every_stream_with_the_same_tokens(cluster):
     undisturbed = asyncio.run(run_streams(cluster.base_url))
     killed: dict = {}
 
