@@ -42,16 +42,20 @@ class DecodeNodeService:
 
     layer_hook = None
 
-    def __init__(self, kv_transport: str, kv_timeout_s: float, colocated: bool = False) -> None:
-        self.kv_timeout_s = kv_timeout_s
+    def __init__(
+        self, kv_transport: str, kv_lease_s: float, max_reserve_wait_s: float, colocated: bool = False
+    ) -> None:
+        self.kv_lease_s = kv_lease_s
+        self.max_reserve_wait_s = max_reserve_wait_s
         shared = not colocated and kv_transport != "grpc"
         self.kv_storage = SharedMemoryKvStorage() if shared else None
         self._receiver: KvReceiver | None = None
 
     def add_to_server(self, server: grpc.aio.Server, async_engine: AsyncEngine) -> None:
         segment = self.kv_storage.segment if self.kv_storage is not None else None
-        self._receiver = KvReceiver(async_engine.engine.kv_caches, in_shared_memory=segment is not None)
-        servicer = DecodeServicer(async_engine, self._receiver, self.kv_timeout_s, segment, host_id())
+        kv_caches = async_engine.engine.kv_caches
+        self._receiver = KvReceiver(kv_caches, in_shared_memory=segment is not None, lease_s=self.kv_lease_s)
+        servicer = DecodeServicer(async_engine, self._receiver, self.max_reserve_wait_s, segment, host_id())
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
         KvTransferServicer(self._receiver).add_to_server(server)
 

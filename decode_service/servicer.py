@@ -1,14 +1,19 @@
 """The decode node's gRPC servicer.
 
 Lifecycle of one Generate stream:
-  1. reserve KV blocks for the prompt (RESOURCE_EXHAUSTED if the pool is full), reusing the
-     leading blocks this node has cached, and send `reserved`, so the gateway can start the
-     prefill; only the blocks after the cached ones are pushed;
-  2. wait for the prefill node to push every page and commit the first token, with a
-     deadline: on expiry or a bad page, free the blocks and fail with UNAVAILABLE;
+  1. reserve KV blocks for the prompt, reusing the leading blocks this node has cached; if the
+     pool is full, wait in turn for blocks to free up (reservation_queue.py), and only past
+     `max_reserve_wait_s` fail with RESOURCE_EXHAUSTED; then send `reserved`, so the gateway
+     can start the prefill; only the blocks after the cached ones are pushed;
+  2. wait for the prefill node to push every page and commit the first token, for as long as
+     the prefill node renews the reservation's lease (kvtransfer/lease_keeper.py says why a
+     lease): a long queue there never fails the request; a lease that expires (the prefill
+     node is gone) or a bad page frees the blocks and fails the call with UNAVAILABLE;
   3. join the continuous batch at the next step boundary and stream each sampled token,
      the last chunk with its finish reason; the request leaves the batch as it finishes.
-Client cancellation at any point aborts the request and frees its blocks.
+However the call ends (done, failed, cancelled at any point), its blocks and its reservation
+in the receiver are released, and the next waiter for blocks is woken. A request id is served
+by one call at a time, so releasing by id never touches a successor's request.
 `local_prefill` (colocated mode) skips 1-2: the prompt is computed in this node's own batch.
 """
 
@@ -18,6 +23,7 @@ import logging
 
 import grpc
 
+from decode_service.reservation_queue import ReservationQueue
 from kvtransfer.base import KvReceiver, TransferError
 from kvtransfer.shm_transport import SharedKvCache
 from pdserve.engine.async_engine import AsyncEngine
@@ -44,13 +50,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self,
         async_engine: AsyncEngine,
         receiver: KvReceiver,
-        kv_timeout_s: float,
+        max_reserve_wait_s: float,
         shared_kv: SharedKvCache | None = None,
         host_id: str = "",
     ) -> None:
         self.async_engine = async_engine
         self.receiver = receiver
-        self.kv_timeout_s = kv_timeout_s
+        self.reservations = ReservationQueue(max_reserve_wait_s)
+        self._live_request_ids: set[str] = set()  # one call per request id at a time
         self.shared_kv = shared_kv  # offered to same-host prefill nodes, when the cache lives there
         self.host_id = host_id
 
@@ -60,6 +67,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if rid in self._live_request_ids:  # an earlier call with this id is still being released
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid} is still in progress on this node")
+        self._live_request_ids.add(rid)
         stream = self.async_engine.open_stream(rid)
         finished = False
         try:
@@ -68,7 +78,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 yield await self._add_local(rid, prompt, params, context)
             else:
                 yield await self._reserve(rid, prompt, params, context)
-                final = await self._await_pages(rid, request.kv_timeout_ms / 1000 or self.kv_timeout_s, context)
+                final = await self._await_pages(rid, context)
                 if final is not None:
                     finished = True
                     yield chunk_message(final)
@@ -82,6 +92,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             self.receiver.forget(rid)
             if not finished:  # cancelled or failed: free the blocks (abort is a no-op if gone)
                 self.async_engine.submit(lambda engine: engine.abort(rid))
+            self._live_request_ids.discard(rid)
+            self.reservations.notify()  # its blocks are free, or will be before the next try runs
 
     async def _add_local(self, rid, prompt, params, context) -> decode_pb2.GenerateResponse:
         try:
@@ -91,12 +103,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return decode_pb2.GenerateResponse(reserved=decode_pb2.Reserved(num_blocks=0))
 
     async def _reserve(self, rid, prompt, params, context) -> decode_pb2.GenerateResponse:
+        def try_reserve():
+            return self.async_engine.call(lambda engine: engine.reserve_prefilled(rid, prompt, params))
+
         try:
-            reservation = await self.async_engine.call(lambda engine: engine.reserve_prefilled(rid, prompt, params))
+            reservation = await self.reservations.reserve(try_reserve)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if reservation is None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode node has no free KV blocks for this prompt")
+            waited = f"{self.reservations.max_wait_s:.1f} s"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode node had no free KV blocks for {waited}")
         self.receiver.reserve(rid, reservation.block_ids)  # only the blocks not cached here already
         reserved = decode_pb2.Reserved(
             num_blocks=len(reservation.block_ids),
@@ -111,9 +127,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             )
         return decode_pb2.GenerateResponse(reserved=reserved)
 
-    async def _await_pages(self, rid, timeout_s: float, context) -> RequestOutput | None:
+    async def _await_pages(self, rid, context) -> RequestOutput | None:
         try:
-            commit = await self.receiver.wait(rid, timeout_s)
+            commit = await self.receiver.wait(rid)
         except TransferError as error:
             logger.warning("request %s: %s", rid, error)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error}")

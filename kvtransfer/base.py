@@ -1,18 +1,23 @@
 """The KV transfer interface: what a sender pushes and how a receiver checks and stores it.
 
 Lifecycle of one request's transfer, as the receiver sees it:
-  1. `reserve(request_id, block_ids)`      PENDING: the decode engine holds the blocks
+  1. `reserve(request_id, block_ids)`      PENDING: the decode engine holds the blocks, under a
+                                           lease of `lease_s`
+  *  `renew([request_id, ...])`            the prefill node still has the prompt (queued or
+                                           being computed): the lease runs `lease_s` from now
   2. `receive_page(page)` for each page    TRANSFERRING: every page is checked against the
                                            reservation, then written straight into the blocks
   3. `commit(request_id, first_token)`     DONE when every page arrived, else FAILED
-  any check failing                        FAILED with a reason; other requests are unaffected
-The decode service awaits `wait(request_id)` and then admits (or aborts) the request.
+  any check failing, or the lease expiring FAILED with a reason; other requests are unaffected
+The decode service awaits `wait(request_id)` and then admits (or aborts) the request; `forget`
+drops the reservation, and the next renewal tells the prefill node it was released.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -26,6 +31,7 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 
 MAX_MESSAGE_BYTES = 4 << 20  # gRPC's default limit; one page message stays below it
 KEY, VALUE = 0, 1
+DEFAULT_LEASE_S = 10.0  # KvTransferOptions.kv_lease_s's default
 
 
 class TransferStatus(enum.IntEnum):
@@ -77,6 +83,15 @@ class KvTransferStats:
 
     num_blocks_received: int = 0  # committed blocks, by either transport
     num_bytes_received: int = 0  # page bytes that came over the gRPC stream
+
+
+@dataclass(frozen=True)
+class LeaseRenewal:
+    """A decode node's answer to a renewal: the requests it no longer holds blocks for, and its
+    lease period (the sender renews well within it)."""
+
+    released_request_ids: list[str]
+    lease_s: float
 
 
 class TransferError(Exception):
@@ -135,16 +150,22 @@ class _Reservation:
     received: set[tuple[int, int, int]] = field(default_factory=set)  # (layer, kind, block index)
     commit: KvCommit | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    expires_at: float = 0.0  # time.monotonic(): moved on by every renewal and page
 
 
 class KvReceiver:
     """Checks incoming pages against reservations and writes them into the KV caches.
 
     Mutates the given per-layer caches (only the reserved blocks) and its reservations. Used
-    from one event loop; every transport feeds it the same way."""
+    from one event loop; every transport feeds it the same way. A reservation lives `lease_s`
+    after it was made, renewed or last sent a page: its prefill node renews it while the prompt
+    waits there, so a long queue never fails it, and a gone prefill node frees it."""
 
-    def __init__(self, kv_caches, in_shared_memory: bool = False) -> None:
+    def __init__(self, kv_caches, in_shared_memory: bool = False, lease_s: float = DEFAULT_LEASE_S) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
         self.kv_caches = kv_caches
+        self.lease_s = lease_s
         self.in_shared_memory = in_shared_memory  # senders on this host may write pages directly
         self.num_layers = len(kv_caches)
         sample = kv_caches[0][0]
@@ -159,7 +180,20 @@ class KvReceiver:
         return KvTransferStats(self.num_blocks_received, self.num_bytes_received)
 
     def reserve(self, request_id: str, block_ids: list[int]) -> None:
-        self.reservations[request_id] = _Reservation(list(block_ids))
+        self.reservations[request_id] = _Reservation(list(block_ids), expires_at=time.monotonic() + self.lease_s)
+
+    def renew(self, request_ids) -> LeaseRenewal:
+        """Extends the leases of the open reservations among `request_ids`; names the others
+        (forgotten, failed or never made here), whose prompts nobody waits for any more."""
+        released = []
+        expires_at = time.monotonic() + self.lease_s
+        for request_id in request_ids:
+            reservation = self.reservations.get(request_id)
+            if reservation is None or reservation.status == TransferStatus.FAILED:
+                released.append(request_id)
+            else:
+                reservation.expires_at = max(reservation.expires_at, expires_at)
+        return LeaseRenewal(released, self.lease_s)
 
     def status(self, request_id: str) -> TransferStatus | None:
         reservation = self.reservations.get(request_id)
@@ -178,6 +212,7 @@ class KvReceiver:
         for i in range(page.block_index, page.block_index + page.num_blocks):
             reservation.received.add((page.layer, page.kind, i))
         reservation.status = TransferStatus.TRANSFERRING
+        reservation.expires_at = time.monotonic() + self.lease_s  # pages arriving: the sender is alive
         self.num_bytes_received += len(page.data)
 
     def commit(self, commit: KvCommit) -> None:
@@ -201,13 +236,20 @@ class KvReceiver:
             reservation.reason = reason
             reservation.done.set()
 
-    async def wait(self, request_id: str, timeout_s: float) -> KvCommit:
-        """The commit once every page is in; raises TransferError on failure or timeout."""
+    async def wait(self, request_id: str) -> KvCommit:
+        """The commit once every page is in, however long that takes while the lease is renewed;
+        raises TransferError when the transfer failed or the lease expired."""
         reservation = self.reservations[request_id]
-        try:
-            await asyncio.wait_for(reservation.done.wait(), timeout_s)
-        except TimeoutError:
-            self.fail(request_id, f"request {request_id}: KV pages did not arrive within {timeout_s:.1f} s")
+        while not reservation.done.is_set():
+            remaining = reservation.expires_at - time.monotonic()
+            if remaining <= 0:
+                reason = f"request {request_id}: lease expired ({self.lease_s:.1f} s without a renewal)"
+                self.fail(request_id, reason)
+                break
+            try:
+                await asyncio.wait_for(reservation.done.wait(), remaining)
+            except TimeoutError:
+                continue  # renewed meanwhile, or expired: the loop decides
         if reservation.status == TransferStatus.FAILED:
             raise TransferError(reservation.reason)
         return reservation.commit
@@ -272,6 +314,11 @@ class KvSender(ABC):
     def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> KvStream:
         """A layer-wise push, opened before the prefill forward pass runs (on the event loop);
         raises TransferError if the destination cannot be reached this way."""
+
+    @abstractmethod
+    async def renew_leases(self, address: str, request_ids: list[str], timeout_s: float) -> LeaseRenewal:
+        """Renews the decode node's reservations for these requests in one call; raises
+        TransferError if the node cannot be reached within timeout_s."""
 
     @abstractmethod
     async def close(self) -> None:

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import asyncio
 
-from kvtransfer.base import KvCommit, KvDestination, KvReceiver, KvSender, KvStream, TransferError, iter_pages
+from kvtransfer.base import (
+    KvCommit,
+    KvDestination,
+    KvReceiver,
+    KvSender,
+    KvStream,
+    LeaseRenewal,
+    TransferError,
+    iter_pages,
+)
 
 
 class FakeKvSender(KvSender):
@@ -14,9 +23,17 @@ class FakeKvSender(KvSender):
         self.receivers = receivers
         self.max_page_bytes = max_page_bytes
         self.num_pages_sent = 0
+        self.num_renewals = 0
+        self.unreachable: set[str] = set()  # addresses whose node is "down": renewals fail
 
     def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> FakeKvStream:
         return FakeKvStream(self, self.receivers[destination.address], kv_caches, request_id)
+
+    async def renew_leases(self, address: str, request_ids: list[str], timeout_s: float) -> LeaseRenewal:
+        if address in self.unreachable:
+            raise TransferError(f"renewal at {address} failed: UNAVAILABLE")
+        self.num_renewals += 1
+        return self.receivers[address].renew(request_ids)
 
     async def close(self) -> None:
         pass  # no channels or mappings

@@ -3,7 +3,8 @@
 The prefill node opens one `PushKv` stream per request to the decode node's KvTransferService,
 sends each layer's pages as it is computed, then a commit; the decode node's servicer feeds each
 message to its KvReceiver and answers once, with ok or the first error. Page messages are encoded and decoded by
-`page_codec` (one copy of the bytes per side), not by the generated stubs.
+`page_codec` (one copy of the bytes per side), not by the generated stubs. `RenewLeases` renews
+the receiver's reservations for prompts still waiting on the prefill node (kvtransfer/lease.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,16 @@ import asyncio
 
 import grpc
 
-from kvtransfer.base import KvCommit, KvDestination, KvReceiver, KvSender, KvStream, TransferError, iter_pages
+from kvtransfer.base import (
+    KvCommit,
+    KvDestination,
+    KvReceiver,
+    KvSender,
+    KvStream,
+    LeaseRenewal,
+    TransferError,
+    iter_pages,
+)
 from kvtransfer.page_codec import (
     batch_pages,
     commit_from_proto,
@@ -35,6 +45,7 @@ GRPC_OPTIONS = [
 
 PUSH_KV = "/pdserve.v1.KvTransferService/PushKv"
 COMMIT_KV = "/pdserve.v1.KvTransferService/CommitKv"
+RENEW_LEASES = "/pdserve.v1.KvTransferService/RenewLeases"
 
 
 class GrpcKvSender(KvSender):
@@ -61,6 +72,18 @@ class GrpcKvSender(KvSender):
             ) from error
         if not response.ok:
             raise TransferError(response.error)
+
+    async def renew_leases(self, address: str, request_ids: list[str], timeout_s: float) -> LeaseRenewal:
+        renew = self._channel(address).unary_unary(
+            RENEW_LEASES,
+            request_serializer=kv_transfer_pb2.RenewLeasesRequest.SerializeToString,
+            response_deserializer=kv_transfer_pb2.RenewLeasesResponse.FromString,
+        )
+        try:
+            response = await renew(kv_transfer_pb2.RenewLeasesRequest(request_ids=request_ids), timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise TransferError(f"renewal at {address} failed: {error.code().name} {error.details()}") from error
+        return LeaseRenewal(list(response.released_request_ids), response.lease_ms / 1000)
 
     async def _push(self, address: str, messages) -> None:
         # Messages arrive encoded (bytes): the sender controls every copy of the page data.
@@ -134,6 +157,11 @@ class KvTransferServicer:
             "CommitKv": grpc.unary_unary_rpc_method_handler(
                 self.CommitKv, request_deserializer=kv_transfer_pb2.KvCommit.FromString, response_serializer=respond
             ),
+            "RenewLeases": grpc.unary_unary_rpc_method_handler(
+                self.RenewLeases,
+                request_deserializer=kv_transfer_pb2.RenewLeasesRequest.FromString,
+                response_serializer=kv_transfer_pb2.RenewLeasesResponse.SerializeToString,
+            ),
         }
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler("pdserve.v1.KvTransferService", handlers),)
@@ -157,3 +185,9 @@ class KvTransferServicer:
         except TransferError as error:
             return kv_transfer_pb2.PushKvResponse(ok=False, error=str(error))
         return kv_transfer_pb2.PushKvResponse(ok=True)
+
+    async def RenewLeases(self, request: kv_transfer_pb2.RenewLeasesRequest, context):
+        renewal = self.receiver.renew(request.request_ids)
+        return kv_transfer_pb2.RenewLeasesResponse(
+            released_request_ids=renewal.released_request_ids, lease_ms=round(renewal.lease_s * 1000)
+        )

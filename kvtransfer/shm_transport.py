@@ -21,6 +21,7 @@ from kvtransfer.base import (
     KvDestination,
     KvSender,
     KvStream,
+    LeaseRenewal,
     TransferError,
     copy_blocks,
     dtype_name,
@@ -116,6 +117,9 @@ class ShmKvSender(KvSender):
         if self.require:
             raise TransferError(f"decode node {destination.address} offers no shared-memory KV cache on this host")
         return self.grpc_sender.open_stream(destination, kv_caches, request_id)
+
+    async def renew_leases(self, address: str, request_ids: list[str], timeout_s: float) -> LeaseRenewal:
+        return await self.grpc_sender.renew_leases(address, request_ids, timeout_s)  # metadata: over gRPC
 
     def _attach(self, destination: KvDestination):
         """Maps the decode node's segment (once per segment; cheap afterwards)."""

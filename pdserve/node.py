@@ -60,8 +60,9 @@ class NodeService(Protocol):
 
 def node_service(role: NodeRole, settings: NodeSettings) -> NodeService:
     if role == "prefill":
-        return PrefillNodeService(settings.kv_transport)
-    return DecodeNodeService(settings.kv_transport, settings.kv_timeout_s, colocated=role == "colocated")
+        return PrefillNodeService(settings.kv_transport, settings.kv_lease_s)
+    colocated = role == "colocated"
+    return DecodeNodeService(settings.kv_transport, settings.kv_lease_s, settings.max_reserve_wait_s, colocated)
 
 
 def run_node(role: NodeRole, settings: NodeSettings) -> None:

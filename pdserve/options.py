@@ -71,7 +71,15 @@ class KvTransferOptions(BaseModel):
     kv_transport: Literal["auto", "grpc", "shm"] = Field(
         "auto", description="auto: shared memory between nodes on one host, else the gRPC stream"
     )
-    kv_timeout_s: float = Field(30.0, gt=0, description="how long a decode node waits for a prompt's pages")
+    kv_lease_s: float = Field(
+        10.0,
+        gt=0,
+        description="a decode node frees a prompt's reserved blocks once its prefill node has not renewed them "
+        "for this long (renewed every third of it while the prompt is queued or computed)",
+    )
+    max_reserve_wait_s: float = Field(
+        10.0, ge=0, description="how long a request waits for free KV blocks on a full decode node before 429"
+    )
 
 
 class NodeSettings(EngineOptions, KvTransferOptions, RedisOptions, BaseSettings):

@@ -1,6 +1,7 @@
 """The prefill role for the node runtime (`pdserve prefill`): the engine keeps its KV cache in
 local memory and calls `KvPushes.on_layer_computed` after each layer, so a prompt's pages leave
-for the decode node while the rest of the forward pass runs."""
+for the decode node while the rest of the forward pass runs; a `LeaseKeeper` renews the decode
+nodes' reservations while the prompts wait here."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import grpc
 
 from kvtransfer.base import KvSender, KvTransferStats
 from kvtransfer.grpc_transport import GrpcKvSender
+from kvtransfer.lease_keeper import LeaseKeeper
 from kvtransfer.shm_transport import ShmKvSender
 from pdserve.engine.async_engine import AsyncEngine
 from prefill_service.servicer import KvPushes, PrefillServicer
@@ -19,8 +21,9 @@ class PrefillNodeService:
 
     kv_storage = None  # local memory
 
-    def __init__(self, kv_transport: str) -> None:
+    def __init__(self, kv_transport: str, kv_lease_s: float) -> None:
         self.kv_transport = kv_transport  # auto | grpc | shm
+        self.kv_lease_s = kv_lease_s  # until a decode node states its own lease period
         self.pushes = KvPushes()
         self.layer_hook = self.pushes.on_layer_computed
         self._sender: KvSender | None = None
@@ -29,7 +32,8 @@ class PrefillNodeService:
         # auto and shm: shared memory when the decode node shares this host, else the gRPC stream.
         grpc_only = self.kv_transport == "grpc"
         self._sender = GrpcKvSender() if grpc_only else ShmKvSender(require=self.kv_transport == "shm")
-        self._servicer = PrefillServicer(async_engine, self._sender, self.pushes)
+        leases = LeaseKeeper(self._sender, self.kv_lease_s)
+        self._servicer = PrefillServicer(async_engine, self._sender, self.pushes, leases)
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self._servicer, server)
 
     def kv_transfer_stats(self) -> KvTransferStats:

@@ -66,3 +66,17 @@ class PushKvResponse(_message.Message):
     ok: bool
     error: str
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class RenewLeasesRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RenewLeasesResponse(_message.Message):
+    __slots__ = ("released_request_ids", "lease_ms")
+    RELEASED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    released_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_ms: int
+    def __init__(self, released_request_ids: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...

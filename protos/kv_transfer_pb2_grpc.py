@@ -44,6 +44,11 @@ class KvTransferServiceStub:
                 request_serializer=protos_dot_kv__transfer__pb2.KvCommit.SerializeToString,
                 response_deserializer=protos_dot_kv__transfer__pb2.PushKvResponse.FromString,
                 _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/pdserve.v1.KvTransferService/RenewLeases',
+                request_serializer=protos_dot_kv__transfer__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=protos_dot_kv__transfer__pb2.RenewLeasesResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServiceServicer:
@@ -62,6 +67,14 @@ class KvTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLeases(self, request, context):
+        """Every few seconds while prompts are queued or computed on the prefill node: one call per
+        decode node renews the leases of all its reservations that those prompts will fill.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +87,11 @@ def add_KvTransferServiceServicer_to_server(servicer, server):
                     servicer.CommitKv,
                     request_deserializer=protos_dot_kv__transfer__pb2.KvCommit.FromString,
                     response_serializer=protos_dot_kv__transfer__pb2.PushKvResponse.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=protos_dot_kv__transfer__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=protos_dot_kv__transfer__pb2.RenewLeasesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +148,33 @@ class KvTransferService:
             '/pdserve.v1.KvTransferService/CommitKv',
             protos_dot_kv__transfer__pb2.KvCommit.SerializeToString,
             protos_dot_kv__transfer__pb2.PushKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KvTransferService/RenewLeases',
+            protos_dot_kv__transfer__pb2.RenewLeasesRequest.SerializeToString,
+            protos_dot_kv__transfer__pb2.RenewLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,

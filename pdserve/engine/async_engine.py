@@ -74,6 +74,12 @@ class AsyncEngine:
         with self._streams_lock:
             self._streams.pop(request_id, None)
 
+    @property
+    def num_open_streams(self) -> int:
+        """Streams opened and not closed yet: 0 on an idle node, whatever its calls went through."""
+        with self._streams_lock:
+            return len(self._streams)
+
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Hands outputs to their streams (thread-safe: may run on the engine thread)."""
         with self._streams_lock:

@@ -138,6 +138,8 @@ class LLMEngine:
         return Request(request_id, prompt_token_ids, sampling_params, self.eos_token_ids)
 
     def abort(self, request_id: str) -> None:
+        """Ends the request wherever it is (waiting, running, reserved, prefilled, or finished with
+        its blocks held) and frees its blocks; a no-op for an id the engine does not know."""
         request = self.scheduler.requests.get(request_id)
         if request is not None:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)

@@ -98,24 +98,15 @@ class Scheduler:
         )
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        max_tokens = self.kv_cache_manager.block_pool.num_blocks * self.kv_cache_manager.block_size
-        if request.num_prompt_tokens + request.sampling_params.max_tokens > max_tokens:
-            raise ValueError(
-                f"request {request.request_id!r} needs up to "
-                f"{request.num_prompt_tokens + request.sampling_params.max_tokens} tokens of KV cache, "
-                f"more than the whole cache holds ({max_tokens}); shorten the prompt or max_tokens"
-            )
+        self._check_new(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def reserve(self, request: Request) -> Reservation | None:
         """Holds blocks for a prompt whose KV another node computes, adopting the leading blocks
-        this node has cached; None if the pool is short. The new blocks are not entered in the
-        prefix cache until their pages have arrived."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        this node has cached; None if the pool is short for now (raises ValueError if it always
+        will be). The new blocks are not entered in the prefix cache until their pages have arrived."""
+        self._check_new(request)
         cached_blocks, num_cached_tokens = self.kv_cache_manager.match_prefix(request)
         num_new_tokens = request.num_prompt_tokens - num_cached_tokens
         new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, cached_blocks, cache_blocks=False)
@@ -168,6 +159,19 @@ class Scheduler:
         request = self.held.pop(request_id, None)
         if request is not None:
             self.kv_cache_manager.free(request)
+
+    def _check_new(self, request: Request) -> None:
+        """Raises ValueError for a reused id or a request that the whole cache could not hold
+        (it would wait, or be preempted, forever)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        max_tokens = self.kv_cache_manager.block_pool.num_blocks * self.kv_cache_manager.block_size
+        if request.num_prompt_tokens + request.sampling_params.max_tokens > max_tokens:
+            raise ValueError(
+                f"request {request.request_id!r} needs up to "
+                f"{request.num_prompt_tokens + request.sampling_params.max_tokens} tokens of KV cache, "
+                f"more than the whole cache holds ({max_tokens}); shorten the prompt or max_tokens"
+            )
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         index = 0

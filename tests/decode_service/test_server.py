@@ -8,21 +8,14 @@ import torch
 
 from decode_service.server import DecodeNodeService, SharedMemoryKvStorage
 from pdserve.engine.kv_cache import KvCacheSpec
-from prefill_service.server import PrefillNodeService
 
 
 def test_a_decode_node_shares_its_kv_cache_unless_told_grpc_or_colocated():
-    assert isinstance(DecodeNodeService("auto", 30.0).kv_storage, SharedMemoryKvStorage)
-    assert isinstance(DecodeNodeService("shm", 30.0).kv_storage, SharedMemoryKvStorage)
-    assert DecodeNodeService("grpc", 30.0).kv_storage is None
-    assert DecodeNodeService("auto", 30.0, colocated=True).kv_storage is None
-    assert DecodeNodeService("auto", 30.0).layer_hook is None
-
-
-def test_a_prefill_node_keeps_a_local_cache_and_pushes_from_its_layer_hook():
-    service = PrefillNodeService("auto")
-    assert service.kv_storage is None
-    assert service.layer_hook == service.pushes.on_layer_computed
+    assert isinstance(DecodeNodeService("auto", 10.0, 5.0).kv_storage, SharedMemoryKvStorage)
+    assert isinstance(DecodeNodeService("shm", 10.0, 5.0).kv_storage, SharedMemoryKvStorage)
+    assert DecodeNodeService("grpc", 10.0, 5.0).kv_storage is None
+    assert DecodeNodeService("auto", 10.0, 5.0, colocated=True).kv_storage is None
+    assert DecodeNodeService("auto", 10.0, 5.0).layer_hook is None
 
 
 def test_shared_memory_storage_hands_the_engine_a_zeroed_tensor_over_the_segment():

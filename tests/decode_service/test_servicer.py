@@ -1,4 +1,5 @@
-"""Decode and prefill servicers over real gRPC in one process, on the tiny model."""
+"""Decode and prefill servicers over real gRPC in one process, on the tiny model: the decode
+node's side of a request's life (reservation, wait for blocks, lease, stream, release)."""
 
 from __future__ import annotations
 
@@ -7,184 +8,153 @@ import asyncio
 import grpc
 import pytest
 
-from decode_service.servicer import DecodeServicer
-from kvtransfer.base import KvReceiver
-from kvtransfer.fake import FakeKvSender
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.async_engine import AsyncEngine
-from prefill_service.servicer import KvPushes, PrefillServicer
-from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from protos.convert import sampling_params_to_proto
-
-NUM_BLOCKS = 32
-
-
-def engine_for(path, layer_hook=None) -> AsyncEngine:
-    config = EngineConfig(model=str(path), cache=CacheConfig(num_blocks=NUM_BLOCKS))
-    return AsyncEngine(LLMEngine(config, layer_hook=layer_hook))
+from tests.decode_service.inprocess_pair import (
+    NUM_BLOCKS,
+    Pair,
+    block_engine,
+    disaggregated_generate,
+    free_blocks,
+    run,
+)
 
 
-async def serve(tiny_llama_path):
-    pushes = KvPushes()
-    decode_engine, prefill_engine = engine_for(tiny_llama_path), engine_for(tiny_llama_path, pushes.on_layer_computed)
-    decode_engine.start()
-    prefill_engine.start()
-    receiver = KvReceiver(decode_engine.engine.kv_caches)
-    server = grpc.aio.server()
-    decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(decode_engine, receiver, 5.0), server)
-    sender = FakeKvSender({"decode": receiver})
-    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(prefill_engine, sender, pushes), server)
-    prefill_engine.sender = sender  # for assertions
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, port, decode_engine, prefill_engine
-
-
-def generate_request(rid, prompt, params, **kw):
-    return decode_pb2.GenerateRequest(
-        request_id=rid, prompt_token_ids=prompt, sampling_params=sampling_params_to_proto(params), **kw
-    )
-
-
-async def free_blocks(async_engine: AsyncEngine) -> int:
-    return await async_engine.call(lambda engine: engine.kv_cache_manager.num_free_blocks)
-
-
-async def all_blocks_freed(async_engine: AsyncEngine) -> bool:
-    """The servicer frees blocks in its cleanup, which may run just after the client saw the end."""
-    for _ in range(50):
-        if await free_blocks(async_engine) == NUM_BLOCKS:
-            return True
-        await asyncio.sleep(0.05)
-    return False
-
-
-def run(tiny_llama_path, scenario):
-    async def main():
-        server, port, decode_engine, prefill_engine = await serve(tiny_llama_path)
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                await scenario(channel, decode_engine, prefill_engine)
-        finally:
-            await server.stop(0)
-            decode_engine.stop()
-            prefill_engine.stop()
-
-    asyncio.run(main())
+def offline(tiny_llama_path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_llama_path), cache=CacheConfig(num_blocks=NUM_BLOCKS)))
 
 
 def test_prefill_then_decode_equals_the_offline_engine(tiny_llama_path):
     prompt, params = list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0.0)
 
-    async def scenario(channel, decode_engine, prefill_engine):
-        call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(generate_request("r", prompt, params))
-        assert (await call.read()).reserved.num_blocks == 3
-        first = await prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id="r",
-                prompt_token_ids=prompt,
-                sampling_params=sampling_params_to_proto(params),
-                decode_address="decode",
-            )
-        )
-        tokens = [first.first_token_id]
-        while (message := await call.read()) is not grpc.aio.EOF:
-            tokens += message.chunk.token_ids
-        offline = LLMEngine(EngineConfig(model=str(tiny_llama_path), cache=CacheConfig(num_blocks=NUM_BLOCKS)))
-        assert tokens == offline.generate([prompt], params)[0].token_ids
+    async def scenario(pair: Pair):
+        tokens, reserved = await disaggregated_generate(pair, "r", prompt, params)
+        assert reserved.num_blocks == 3
+        assert tokens == offline(tiny_llama_path).generate([prompt], params)[0].token_ids
         # Layer-wise: 2 layers x K/V x one page each, sent between layers of the forward pass.
-        assert prefill_engine.sender.num_pages_sent == 4
-        assert await all_blocks_freed(decode_engine)
-        assert await all_blocks_freed(prefill_engine)  # once the push is done
+        assert pair.sender.num_pages_sent == 4
+        assert await pair.is_idle()  # the prefill node freed its blocks once the push was done
 
     run(tiny_llama_path, scenario)
 
 
-def test_pages_that_never_arrive_free_the_blocks_and_fail_unavailable(tiny_llama_path):
-    async def scenario(channel, decode_engine, _):
-        call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(
-            generate_request("late", list(range(40)), SamplingParams(max_tokens=4), kv_timeout_ms=200)
-        )
+def test_a_prompt_queued_on_the_prefill_node_for_many_lease_periods_still_completes(tiny_llama_path):
+    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0.0)
+
+    async def scenario(pair: Pair):
+        block_engine(pair.prefill, 1.2)  # a queue ahead of the prompt: 6 lease periods
+        tokens, _ = await disaggregated_generate(pair, "queued", prompt, params)
+        assert tokens == offline(tiny_llama_path).generate([prompt], params)[0].token_ids
+        assert pair.sender.num_renewals >= 10  # about every third of the lease period
+        assert await pair.is_idle()
+
+    run(tiny_llama_path, scenario, lease_s=0.2)
+
+
+def test_pages_whose_lease_nobody_renews_free_the_blocks_and_fail_unavailable(tiny_llama_path):
+    async def scenario(pair: Pair):
+        call = pair.generate("orphan", list(range(40)), SamplingParams(max_tokens=4))  # no prefill node renews it
         assert (await call.read()).reserved.num_blocks == 3
-        assert await free_blocks(decode_engine) == NUM_BLOCKS - 3
+        assert await free_blocks(pair.decode) == NUM_BLOCKS - 3
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await call.read()
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert await all_blocks_freed(decode_engine)
+        assert "lease expired (0.2 s without a renewal)" in error.value.details()
+        assert await pair.is_idle()
 
-    run(tiny_llama_path, scenario)
+    run(tiny_llama_path, scenario, lease_s=0.2)
 
 
 def test_client_cancellation_aborts_and_frees_blocks(tiny_llama_path):
-    async def scenario(channel, decode_engine, _):
+    async def scenario(pair: Pair):
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(
-            generate_request("c", list(range(40)), params, local_prefill=True)
-        )
+        call = pair.generate("c", list(range(40)), params, local_prefill=True)
         await call.read()  # reserved
         await call.read()  # first tokens
         call.cancel()
-        assert await all_blocks_freed(decode_engine)
-        assert not await decode_engine.call(lambda engine: engine.has_unfinished_requests)
+        assert await pair.is_idle()
 
     run(tiny_llama_path, scenario)
 
 
-def test_full_pool_is_refused_with_resource_exhausted(tiny_llama_path):
-    async def scenario(channel, _, __):
-        call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(
-            generate_request("big", list(range(NUM_BLOCKS * 16 - 20)), SamplingParams(max_tokens=4))
-        )
-        await call.read()
-        second = decode_pb2_grpc.DecodeServiceStub(channel).Generate(
-            generate_request("next", list(range(100)), SamplingParams(max_tokens=4))
-        )
+def test_client_cancellation_while_the_pages_are_awaited_releases_the_reservation(tiny_llama_path):
+    async def scenario(pair: Pair):
+        call = pair.generate("c", list(range(40)), SamplingParams(max_tokens=4))
+        await call.read()  # reserved
+        call.cancel()
+        assert await pair.is_idle()
+        assert pair.receiver.renew(["c"]).released_request_ids == ["c"]  # a prefill node would drop it now
+
+    run(tiny_llama_path, scenario)
+
+
+def big_request(pair: Pair):
+    """A prompt that takes all but one block of the pool."""
+    return pair.generate("big", list(range(NUM_BLOCKS * 16 - 20)), SamplingParams(max_tokens=4))
+
+
+def test_a_full_pool_makes_the_request_wait_until_blocks_free_up(tiny_llama_path):
+    async def scenario(pair: Pair):
+        big = big_request(pair)
+        assert (await big.read()).reserved.num_blocks == NUM_BLOCKS - 1
+        waiting = pair.generate("next", list(range(100)), SamplingParams(max_tokens=4))
+        first = asyncio.ensure_future(waiting.read())
+        await asyncio.sleep(0.3)
+        assert not first.done()  # it waits for blocks rather than being refused
+        big.cancel()  # its client went away: its blocks free up
+        assert (await asyncio.wait_for(first, 2.0)).reserved.num_blocks == 7
+        waiting.cancel()
+        assert await pair.is_idle()
+
+    run(tiny_llama_path, scenario)
+
+
+def test_a_pool_full_past_the_bound_is_refused_with_resource_exhausted(tiny_llama_path):
+    async def scenario(pair: Pair):
+        big = big_request(pair)
+        await big.read()
+        second = pair.generate("next", list(range(100)), SamplingParams(max_tokens=4))
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await second.read()
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        call.cancel()
+        assert error.value.details() == "decode node had no free KV blocks for 0.3 s"
+        big.cancel()
+        assert await pair.is_idle()
+
+    run(tiny_llama_path, scenario, max_reserve_wait_s=0.3)
+
+
+def test_a_request_id_still_in_progress_is_refused_without_touching_it(tiny_llama_path):
+    async def scenario(pair: Pair):
+        first = pair.generate("same", list(range(40)), SamplingParams(max_tokens=4))
+        await first.read()
+        again = pair.generate("same", list(range(40)), SamplingParams(max_tokens=4))
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await again.read()
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert pair.receiver.renew(["same"]).released_request_ids == []  # the first call's reservation stands
+        first.cancel()
+        assert await pair.is_idle()
 
     run(tiny_llama_path, scenario)
-
-
-async def disaggregated_generate(channel, rid, prompt, params) -> tuple[list[int], decode_pb2.Reserved]:
-    """What the gateway does: reserve on the decode node, prefill with its reservation, stream."""
-    call = decode_pb2_grpc.DecodeServiceStub(channel).Generate(generate_request(rid, prompt, params))
-    reserved = (await call.read()).reserved
-    first = await prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(
-        prefill_pb2.PrefillRequest(
-            request_id=rid,
-            prompt_token_ids=prompt,
-            sampling_params=sampling_params_to_proto(params),
-            decode_address="decode",
-            decode_block_ids=reserved.block_ids,
-            decode_num_cached_blocks=reserved.num_cached_blocks,
-        )
-    )
-    tokens = [first.first_token_id]
-    while (message := await call.read()) is not grpc.aio.EOF:
-        tokens += message.chunk.token_ids
-    return tokens, reserved
 
 
 def test_second_chat_turn_pushes_only_the_blocks_the_decode_node_lacks(tiny_llama_path):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     first_prompt = list(range(3, 43))  # 40 tokens
 
-    async def scenario(channel, decode_engine, prefill_engine):
-        receiver = prefill_engine.sender.receivers["decode"]
+    async def scenario(pair: Pair):
+        receiver = pair.receiver
         bytes_per_block = receiver.num_layers * 2 * receiver.block_bytes  # every layer's K and V
-        first_reply, reserved = await disaggregated_generate(channel, "turn-1", first_prompt, params)
+        first_reply, reserved = await disaggregated_generate(pair, "turn-1", first_prompt, params)
         assert reserved.num_cached_blocks == 0 and reserved.num_blocks == 3
         assert receiver.num_bytes_received == 3 * bytes_per_block
         second_prompt = first_prompt + first_reply + list(range(50, 70))  # 68 tokens, 5 blocks
-        second_reply, reserved = await disaggregated_generate(channel, "turn-2", second_prompt, params)
+        second_reply, reserved = await disaggregated_generate(pair, "turn-2", second_prompt, params)
         # The first turn's prompt and reply (47 computed tokens: 2 full blocks) stayed cached.
         assert reserved.num_cached_blocks == 2 and reserved.num_blocks == 3
         assert receiver.num_bytes_received == 6 * bytes_per_block  # 3 of the 5 blocks moved
-        assert decode_engine.engine.kv_cache_manager.num_prefix_hits == 32
-        offline = LLMEngine(EngineConfig(model=str(tiny_llama_path), cache=CacheConfig(num_blocks=NUM_BLOCKS)))
-        assert second_reply == offline.generate([second_prompt], params)[0].token_ids
-        assert await all_blocks_freed(decode_engine)
+        assert pair.decode.engine.kv_cache_manager.num_prefix_hits == 32
+        assert second_reply == offline(tiny_llama_path).generate([second_prompt], params)[0].token_ids
+        assert await pair.is_idle()
 
     run(tiny_llama_path, scenario)

@@ -62,7 +62,7 @@ def test_pages_land_in_the_reserved_blocks_and_commit_completes():
     assert receiver.status("r") == TransferStatus.DONE
     assert sender.num_pages_sent == NUM_LAYERS * 2 * 3
     assert_copied(source, target, [0, 1, 3], [5, 2, 7])
-    assert asyncio.run(receiver.wait("r", 1.0)).first_token_id == 42
+    assert asyncio.run(receiver.wait("r")).first_token_id == 42
 
 
 def test_a_stream_missing_a_layer_fails_its_commit():
@@ -111,7 +111,7 @@ def test_a_page_that_does_not_fit_fails_that_transfer_only(bad, reason):
     assert receiver.status("r") == TransferStatus.FAILED
     assert receiver.status("other") == TransferStatus.PENDING
     with pytest.raises(TransferError, match=reason):
-        asyncio.run(receiver.wait("r", 1.0))
+        asyncio.run(receiver.wait("r"))
 
 
 def test_duplicate_page_fails_the_transfer():
@@ -131,9 +131,65 @@ def test_commit_before_every_page_fails():
         receiver.commit(KvCommit("r", 1))
 
 
-def test_wait_times_out_and_fails():
-    receiver = KvReceiver(caches())
+def test_a_lease_nobody_renews_expires_and_fails_the_wait():
+    receiver = KvReceiver(caches(), lease_s=0.05)
     receiver.reserve("r", [0])
-    with pytest.raises(TransferError, match="did not arrive"):
-        asyncio.run(receiver.wait("r", 0.05))
+    with pytest.raises(TransferError, match=r"lease expired \(0.1 s without a renewal\)"):
+        asyncio.run(receiver.wait("r"))
     assert receiver.status("r") == TransferStatus.FAILED
+
+
+def test_renewals_keep_a_reservation_for_many_lease_periods_until_its_pages_arrive():
+    receiver = KvReceiver(caches(), lease_s=0.1)
+    receiver.reserve("r", [0])
+
+    async def prefill_node_with_a_long_queue():
+        for _ in range(10):  # 0.3 s: three lease periods
+            await asyncio.sleep(0.03)
+            assert receiver.renew(["r"]).released_request_ids == []
+        for kind in (KEY, VALUE):
+            for layer in range(NUM_LAYERS):
+                receiver.receive_page(page(layer=layer, kind=kind))
+        receiver.commit(KvCommit("r", 5))
+
+    async def main():
+        renewing = asyncio.create_task(prefill_node_with_a_long_queue())
+        commit = await receiver.wait("r")
+        await renewing
+        return commit
+
+    assert asyncio.run(main()).first_token_id == 5
+
+
+def test_pages_arriving_keep_the_lease_too():
+    receiver = KvReceiver(caches(), lease_s=0.1)
+    receiver.reserve("r", [0, 1])
+
+    async def slow_push():
+        for layer, kind in [(layer, kind) for layer in range(NUM_LAYERS) for kind in (KEY, VALUE)]:
+            await asyncio.sleep(0.06)  # 0.24 s in all, each gap within the lease
+            receiver.receive_page(page(layer=layer, kind=kind, num_blocks=2))
+        receiver.commit(KvCommit("r", 6))
+
+    async def main():
+        pushing = asyncio.create_task(slow_push())
+        commit = await receiver.wait("r")
+        await pushing
+        return commit
+
+    assert asyncio.run(main()).first_token_id == 6
+
+
+def test_a_renewal_names_the_requests_the_receiver_no_longer_holds():
+    receiver = KvReceiver(caches(), lease_s=2.5)
+    for rid in ("open", "failed", "forgotten", "done"):
+        receiver.reserve(rid, [0])
+    receiver.fail("failed", "bad page")
+    receiver.forget("forgotten")
+    for layer in range(NUM_LAYERS):
+        for kind in (KEY, VALUE):
+            receiver.receive_page(page("done", layer=layer, kind=kind))
+    receiver.commit(KvCommit("done", 1))
+    renewal = receiver.renew(["open", "failed", "forgotten", "done", "never-reserved"])
+    assert renewal.released_request_ids == ["failed", "forgotten", "never-reserved"]
+    assert renewal.lease_s == 2.5

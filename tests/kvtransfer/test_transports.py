@@ -33,7 +33,7 @@ def test_grpc_stream_delivers_every_page():
             receiver.reserve("r", [4, 6])
             await push_every_layer(sender, KvDestination(address), source, [1, 2], KvCommit("r", 9))
             assert receiver.status("r") == TransferStatus.DONE
-            assert (await receiver.wait("r", 1.0)).first_token_id == 9
+            assert (await receiver.wait("r")).first_token_id == 9
             with pytest.raises(TransferError, match="unknown request"):
                 await push_every_layer(sender, KvDestination(address), source, [1], KvCommit("nobody", 9))
         finally:
@@ -84,6 +84,26 @@ def test_grpc_stream_to_a_dead_address_fails_its_commit():
     asyncio.run(main())
 
 
+def test_grpc_lease_renewal_extends_open_reservations_and_names_the_released_ones():
+    async def main():
+        receiver = KvReceiver(caches(), lease_s=1.5)
+        server, address = await serve_receiver(receiver)
+        sender = GrpcKvSender()
+        try:
+            receiver.reserve("kept", [0])
+            receiver.reserve("dropped", [1])
+            receiver.forget("dropped")
+            renewal = await sender.renew_leases(address, ["kept", "dropped"], timeout_s=5)
+            assert renewal.released_request_ids == ["dropped"] and renewal.lease_s == 1.5
+            await server.stop(0)
+            with pytest.raises(TransferError, match=f"renewal at {address} failed: UNAVAILABLE"):
+                await sender.renew_leases(address, ["kept"], timeout_s=5)
+        finally:
+            await sender.close()
+
+    asyncio.run(main())
+
+
 @pytest.fixture
 def shared_cache():
     k = caches()[0][0]
@@ -104,8 +124,9 @@ def test_shared_memory_writes_pages_in_place_and_commits_over_grpc(shared_cache)
             destination = KvDestination(address, (7, 3, 5), shared_cache.name, host_id(), shared_cache.layout)
             assert shared_cache.layout == kv_layout(source)
             await push_every_layer(sender, destination, source, [0, 1, 2], KvCommit("r", 11))
-            assert (await receiver.wait("r", 1.0)).first_token_id == 11
+            assert (await receiver.wait("r")).first_token_id == 11
             assert receiver.num_bytes_received == 0  # no page crossed gRPC
+            assert (await sender.renew_leases(address, ["r"], timeout_s=5)).released_request_ids == []  # over gRPC
             with pytest.raises(TransferError, match="no shared-memory"):
                 sender.open_stream(KvDestination(address), source, "x")
         finally:

@@ -67,7 +67,7 @@ def test_up_hands_its_nodes_and_gateway_the_same_values_through_the_same_fields(
     assert {name: getattr(node, name) for name in EngineOptions.model_fields} == {
         name: getattr(up, name) for name in EngineOptions.model_fields
     }
-    assert node.kv_transport == up.kv_transport and node.kv_timeout_s == up.kv_timeout_s
+    assert node.kv_transport == up.kv_transport and node.kv_lease_s == up.kv_lease_s
     gateway = parse(GatewaySettings, to_flags(up, RouterOptions))
     assert gateway.router_policy is RoutingPolicy.LEAST_LOAD
     assert gateway.router_load_factor == up.router_load_factor

@@ -200,6 +200,18 @@ def test_add_request_rejects_a_request_bigger_than_the_whole_cache():
     assert [r.request_id for r in scheduler.waiting] == ["fits"]
 
 
+def test_reserve_refuses_for_now_when_short_and_for_good_when_the_whole_cache_is_too_small():
+    scheduler = make_scheduler(num_blocks=4)  # 16 token slots
+    assert scheduler.reserve(make_request("a", list(range(8)), max_tokens=4)).block_ids == [0, 1]
+    assert scheduler.reserve(make_request("short", list(range(100, 112)), max_tokens=4)) is None  # 3 > 2 free
+    assert "short" not in scheduler.requests and scheduler.kv_cache_manager.num_free_blocks == 2
+    with pytest.raises(ValueError, match="more than the whole cache"):  # it would wait forever
+        scheduler.reserve(make_request("never", list(range(200, 212)), max_tokens=5))
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.reserve(make_request("a", list(range(300, 304))))
+    assert list(scheduler.reserved) == ["a"] and scheduler.load().num_pending_transfers == 1
+
+
 def test_add_request_rejects_a_duplicate_id():
     scheduler = make_scheduler()
     add(scheduler, "a", 4, 0)
