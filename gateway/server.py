@@ -12,6 +12,7 @@ from gateway.app import create_app
 from gateway.backend import GenerationBackend
 from gateway.cluster_backend import ClusterBackend
 from gateway.failover import FailoverPolicy
+from gateway.node_health import NodeHealthChecker
 from gateway.router import Router
 from gateway.settings import GatewaySettings
 from pdserve.cluster_state.kv_index import KvIndexReader
@@ -37,8 +38,10 @@ async def serve_gateway(settings: GatewaySettings, backend: GenerationBackend) -
 async def serve_cluster_gateway(settings: GatewaySettings) -> None:
     """Serves the gateway over the nodes registered in `settings.redis_url` until signalled:
     the registry view, the KV index reader and the router feed the cluster backend, and
-    admission control bounds the work it takes on."""
-    registry = RegistryView(settings.redis_url)
+    admission control bounds the work it takes on. While Redis is away the view keeps the nodes
+    that answer the health checker."""
+    health_checker = NodeHealthChecker()
+    registry = RegistryView(settings.redis_url, probe=health_checker.answering)
     await registry.start()
     kv_index = KvIndexReader(settings.redis_url)
     router = Router(registry, settings.router_policy, kv_index, settings.router_load_factor)
@@ -51,3 +54,4 @@ async def serve_cluster_gateway(settings: GatewaySettings) -> None:
         await backend.close()
         await kv_index.close()
         await registry.stop()
+        await health_checker.close()

@@ -1,6 +1,7 @@
 """What the launcher starts: the plan of a cluster on one machine (its nodes, named
-`<role>-<index>`, and the gateway), and each child process's spec and command line (the
-per-component CLI contract: `pdserve <role> --model ... --port ...`)."""
+`<role>-<index>`, and the gateway), each child process's spec and command line (the
+per-component CLI contract: `pdserve <role> --model ... --port ...`), and when `pdserve up`
+starts again a child (or the embedded Redis) that died (`RestartPolicy`, `RestartSchedule`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,26 @@ from pdserve.cluster_state.embedded_redis import free_port
 from pdserve.cluster_state.registry import NODE_ROLES
 
 NODE_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """The delay before restarting what died doubles with each quick death, from
+    `initial_delay_s` up to `max_delay_s`: a child that cannot start (bad flags, port taken)
+    is retried without a busy loop. One that ran `stable_after_s` counts as healthy again."""
+
+    initial_delay_s: float = 1.0
+    max_delay_s: float = 30.0
+    stable_after_s: float = 60.0
+
+    def __post_init__(self):
+        if not 0 < self.initial_delay_s <= self.max_delay_s:
+            raise ValueError("restart delays need 0 < initial_delay_s <= max_delay_s")
+
+    def next_delay_s(self, previous_delay_s: float | None, ran_s: float) -> float:
+        if previous_delay_s is None or ran_s >= self.stable_after_s:
+            return self.initial_delay_s
+        return min(self.max_delay_s, previous_delay_s * 2)
 
 
 @dataclass(frozen=True)
@@ -30,6 +51,7 @@ class LaunchPlan:
     ready_timeout_s: float = 300.0
     log_dir: str | None = None
     num_threads: int | None = None  # torch threads per node; None: the machine's cores split between the nodes
+    restart_policy: RestartPolicy = RestartPolicy()  # `pdserve up` restarting what died
 
     def __post_init__(self):
         if not self.colocated and (self.num_prefill < 1 or self.num_decode < 1):
@@ -78,6 +100,32 @@ class ChildSpec:
     @property
     def is_node(self) -> bool:
         return self.role != "gateway"
+
+
+class RestartSchedule:
+    """When each dead thing (by name) is due to start again; mutates only its own records."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self._name_to_delay_s: dict[str, float] = {}  # the delay its last restart waited
+        self._name_to_due_at: dict[str, float] = {}  # monotonic time of a pending restart
+
+    def died(self, name: str, ran_s: float, now: float) -> float:
+        """Schedules a restart of `name`, which ran `ran_s` before it died; returns the delay."""
+        delay_s = self.policy.next_delay_s(self._name_to_delay_s.get(name), ran_s)
+        self._name_to_delay_s[name] = delay_s
+        self._name_to_due_at[name] = now + delay_s
+        return delay_s
+
+    def is_pending(self, name: str) -> bool:
+        return name in self._name_to_due_at
+
+    def pop_due(self, now: float) -> list[str]:
+        """The names whose restart is due, in the order they died; they are no longer pending."""
+        due = [name for name, due_at in self._name_to_due_at.items() if due_at <= now]
+        for name in due:
+            del self._name_to_due_at[name]
+        return due
 
 
 def default_command(spec: ChildSpec) -> list[str]:

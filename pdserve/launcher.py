@@ -10,8 +10,10 @@ Lifecycle:
     3. while it runs: start_node() adds a named node and returns once it is registered and the
        gateway counts it; send_signal() and stop_child() reach one child by its PID; log() reads
        one child's log
-    4. serve_until_stopped() (`pdserve up`): until SIGINT/SIGTERM (run_up installs the handlers)
-       or the gateway dies
+    4. serve_until_stopped() (`pdserve up`): until SIGINT/SIGTERM (run_up installs the handlers),
+       restart_dead() every POLL_S: a child that died (node or gateway) or the embedded Redis is
+       started again after a backoff (`RestartPolicy`); Redis on its port, so every URL stays
+       valid; a node on a fresh port, so no gateway channel to the old one stalls it
     5. stop(): SIGTERM (and SIGCONT, for a child stopped by SIGSTOP) each child, SIGKILL what is
        left after the grace period, stop embedded Redis
 
@@ -39,16 +41,17 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pdserve.cluster_state.embedded_redis import EmbeddedRedis, die_with_parent
 from pdserve.cluster_state.registry import NodeInfo, RegistryView
-from pdserve.launch_plan import ChildSpec, LaunchPlan, default_command, distinct_free_ports
+from pdserve.launch_plan import ChildSpec, LaunchPlan, RestartSchedule, default_command, distinct_free_ports
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.25
+EMBEDDED_REDIS = "embedded redis"  # its name in the restart schedule, beside the children's
 
 
 class LaunchError(RuntimeError):
@@ -63,7 +66,8 @@ class Child:
     spec: ChildSpec
     process: subprocess.Popen
     log_path: Path
-    reported_exit: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+    exit_handled: bool = False  # its exit was reported, or asked for (stop_child): not restarted
 
     def log_tail(self, num_lines: int = 20) -> str:
         try:
@@ -88,10 +92,12 @@ class Launcher:
         self.plan = plan
         self.command_for = command_for
         self.stop_grace_s = stop_grace_s
+        self._restarts = RestartSchedule(plan.restart_policy)
+        self._redis_started_at = 0.0
         self.redis_url: str | None = plan.redis_url
         self.children: list[Child] = []
         self.log_dir: Path | None = None
-        self._redis: EmbeddedRedis | None = None
+        self.embedded_redis: EmbeddedRedis | None = None  # None: the plan names its own Redis
         self._stop_requested = threading.Event()
         self._failed = False
 
@@ -128,8 +134,9 @@ class Launcher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             if self.redis_url is None:
-                self._redis = EmbeddedRedis().start()
-                self.redis_url = self._redis.url
+                self.embedded_redis = EmbeddedRedis().start()
+                self._redis_started_at = time.monotonic()
+                self.redis_url = self.embedded_redis.url
             for spec in self.child_specs():
                 self._spawn(spec)
         except BaseException:
@@ -160,9 +167,7 @@ class Launcher:
         previous = self.find(name)
         if previous is not None and previous.process.poll() is None:
             raise ValueError(f"{name} is still running; stop it first or pick another name")
-        busy = [child.spec.port for child in self.children if child.process.poll() is None]
-        (port,) = distinct_free_ports(1, busy)
-        child = self._spawn(self.plan.node_spec(role, name, port, self.redis_url, flags))
+        child = self._spawn(self.plan.node_spec(role, name, self._free_node_port(), self.redis_url, flags))
         self._wait_for([child], timeout_s or self.plan.ready_timeout_s)
         return child
 
@@ -183,6 +188,7 @@ class Launcher:
     def stop_child(self, name: str, sig: int = signal.SIGTERM) -> int:
         """Sends `sig` to one child, waits for it to exit (SIGKILL after the grace period), returns its code."""
         child = self.child(name)
+        child.exit_handled = True  # asked for: restart_dead leaves it stopped
         child.process.send_signal(sig)
         return self._reap(child)
 
@@ -191,22 +197,29 @@ class Launcher:
         return self.child(name).log_path.read_text(errors="replace")
 
     def serve_until_stopped(self) -> int:
-        """After wait_ready: 0 once stop is requested, 1 if the gateway exits on its own.
-
-        A node that dies is reported but not fatal: the gateway routes around it.
-        """
+        """After wait_ready: restarts whatever dies (restart_dead) until stop is requested; returns 0."""
         while not self._stop_requested.wait(POLL_S):
-            for child in self._newly_exited():
-                self._failed = True
-                logger.error(
-                    "%s exited with code %s; last lines:\n%s",
-                    child.spec.name,
-                    child.process.returncode,
-                    child.log_tail(),
-                )
-                if not child.spec.is_node:
-                    return 1
+            self.restart_dead()
         return 0
+
+    def restart_dead(self) -> list[str]:
+        """One round of supervision: schedules a restart of each child, and of the embedded Redis,
+        found dead, and starts again those whose backoff has passed; returns their names. Call it
+        from the thread that started the children (see die_with_parent)."""
+        now = time.monotonic()
+        for child in self._newly_exited():
+            self._failed = True  # keep the logs
+            name, code, tail = child.spec.name, child.process.returncode, child.log_tail()
+            delay_s = self._restarts.died(name, now - child.started_at, now)
+            logger.error("%s exited with code %s; restarting it in %.1f s; last lines:\n%s", name, code, delay_s, tail)
+        redis_code = self.embedded_redis.poll() if self.embedded_redis is not None else None
+        if redis_code is not None and not self._restarts.is_pending(EMBEDDED_REDIS):
+            delay_s = self._restarts.died(EMBEDDED_REDIS, now - self._redis_started_at, now)
+            logger.error("embedded redis exited with code %s; restarting it in %.1f s", redis_code, delay_s)
+        due = self._restarts.pop_due(now)
+        for name in due:
+            self._restart(name)
+        return due
 
     def stop(self) -> None:
         """Idempotent. Gateway first, so it stops taking requests before its nodes go."""
@@ -219,9 +232,9 @@ class Launcher:
         deadline = time.monotonic() + self.stop_grace_s
         for child in alive:
             self._reap(child, deadline)
-        if self._redis is not None:
-            self._redis.stop()
-            self._redis = None
+        if self.embedded_redis is not None:
+            self.embedded_redis.stop()
+            self.embedded_redis = None
         self._clean_log_dir()
 
     def _reap(self, child: Child, deadline: float | None = None) -> int:
@@ -292,10 +305,29 @@ class Launcher:
         return missing
 
     def _newly_exited(self) -> list[Child]:
-        exited = [c for c in self.children if not c.reported_exit and c.process.poll() is not None]
+        exited = [c for c in self.children if not c.exit_handled and c.process.poll() is not None]
         for child in exited:
-            child.reported_exit = True
+            child.exit_handled = True
         return exited
+
+    def _restart(self, name: str) -> None:
+        if name == EMBEDDED_REDIS:
+            logger.warning("restarting the %s on port %d", name, self.embedded_redis.port)
+            self._redis_started_at = time.monotonic()
+            self.embedded_redis.restart()  # if it fails, the next round finds it dead and backs off further
+            return
+        if self.child(name).process.poll() is None:
+            return  # start_node brought it back meanwhile
+        logger.warning("restarting %s", name)
+        spec = self.child(name).spec
+        if spec.is_node:  # a fresh port: the gateway's channel to the old one may be backing off
+            spec = replace(spec, port=self._free_node_port())
+        self._spawn(spec)
+
+    def _free_node_port(self) -> int:
+        """A free port that no running child holds (or is about to bind)."""
+        busy = [child.spec.port for child in self.children if child.process.poll() is None]
+        return distinct_free_ports(1, busy)[0]
 
     def _clean_log_dir(self) -> None:
         if self.log_dir is None or self.plan.log_dir is not None:

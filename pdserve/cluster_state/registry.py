@@ -12,13 +12,19 @@ Node side (`NodeRegistration`):
 Gateway side (`RegistryView`):
     1. start(): read all node keys, then every `refresh_s` SCAN + MGET them into a new snapshot
     2. nodes() returns the last snapshot without touching Redis, so routing never waits on it
-    3. while Redis is unreachable the snapshot is kept, minus nodes not updated within `ttl_s`
+    3. while Redis is unreachable the last snapshot is kept, minus the nodes that stop answering
+       the view's `probe` (the gateway's direct gRPC health check): heartbeats cannot reach us,
+       so their age says nothing about a node
+    4. for `ttl_s` after Redis is back, a node of the last snapshot that has not re-registered
+       yet (Redis restarted empty, or its key expired while Redis was stopped) is kept while it
+       answers the probe; then Redis alone decides again
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import typing
 import uuid
@@ -31,6 +37,7 @@ from redis import RedisError
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from pdserve.engine.scheduler import EngineLoad
 
@@ -114,10 +121,13 @@ def node_key(node_id: str) -> str:
 
 
 def redis_client(redis_url: str, timeout_s: float = 1.0) -> Redis:
-    """An asyncio client that fails fast: callers here retry on their own schedule."""
-    return Redis.from_url(
-        redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
-    )
+    """An asyncio client that fails fast: callers here retry on their own schedule.
+
+    One immediate retry on a broken connection only: after Redis restarts, a pooled connection
+    fails once before it reconnects, and that should not cost a heartbeat. A timeout (Redis
+    stopped) is not retried. Every write here is idempotent, so a retried one is harmless."""
+    retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+    return Redis.from_url(redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=retry)
 
 
 class FailureStreak:
@@ -243,16 +253,27 @@ class NodeRegistration:
         return True
 
 
-class RegistryView:
-    """The gateway's in-memory copy of the registry, refreshed in the background."""
+# The node_ids of `nodes` that answered a direct health check just now.
+NodeProbe = Callable[[list[NodeInfo]], Awaitable[set[str]]]
 
-    def __init__(self, redis_url: str, refresh_s: float = 0.5, ttl_s: float = DEFAULT_TTL_S):
+
+class RegistryView:
+    """The gateway's in-memory copy of the registry, refreshed in the background.
+
+    `probe` checks nodes directly while Redis cannot vouch for them (see the module docstring);
+    without one, the last snapshot is kept whole through an outage."""
+
+    def __init__(
+        self, redis_url: str, refresh_s: float = 0.5, ttl_s: float = DEFAULT_TTL_S, probe: NodeProbe | None = None
+    ):
         self.refresh_s = refresh_s
         self.ttl_s = ttl_s
         self._client = redis_client(redis_url)
+        self._probe = probe
         self._failures = FailureStreak("registry refresh")
         self._node_id_to_info: dict[str, NodeInfo] = {}
         self._bad_keys: set[bytes] = set()
+        self._last_failure_at = -math.inf  # monotonic time of the last failed read
         self._refresher = Periodic(self.refresh, refresh_s, "registry-view")
 
     async def start(self) -> None:
@@ -272,16 +293,32 @@ class RegistryView:
         return self._node_id_to_info.get(node_id)
 
     async def refresh(self) -> bool:
-        """Replace the snapshot from Redis; returns False (and ages the old one out) if Redis failed."""
+        """Replace the snapshot from Redis; returns False (and keeps the nodes that still answer) if Redis failed."""
         try:
             snapshot = await self._read_all()
         except (RedisError, OSError) as error:
             self._failures.failed(error)
-            self._drop_stale()
+            self._last_failure_at = time.monotonic()
+            self._node_id_to_info = await self._answering(self._node_id_to_info)
             return False
         self._failures.succeeded()
-        self._node_id_to_info = snapshot
+        self._node_id_to_info = snapshot | await self._not_yet_reregistered(snapshot)
         return True
+
+    async def _not_yet_reregistered(self, snapshot: dict[str, NodeInfo]) -> dict[str, NodeInfo]:
+        # Right after an outage a live node may not have beaten yet: dropping it would leave a
+        # role with no node (503) for up to a heartbeat. `ttl_s` covers a heartbeat or more.
+        if time.monotonic() - self._last_failure_at > self.ttl_s:
+            return {}
+        missing = {node_id: info for node_id, info in self._node_id_to_info.items() if node_id not in snapshot}
+        return await self._answering(missing)
+
+    async def _answering(self, node_id_to_info: dict[str, NodeInfo]) -> dict[str, NodeInfo]:
+        """The nodes that answer the probe (all of them without one)."""
+        if self._probe is None or not node_id_to_info:
+            return dict(node_id_to_info)
+        answered = await self._probe(list(node_id_to_info.values()))
+        return {node_id: info for node_id, info in node_id_to_info.items() if node_id in answered}
 
     async def _read_all(self) -> dict[str, NodeInfo]:
         keys = [key async for key in self._client.scan_iter(match=KEY_PREFIX + "*", count=1000)]
@@ -303,10 +340,3 @@ class RegistryView:
                 logger.warning("ignoring malformed registry entry %s: %s", key.decode(errors="replace"), error)
                 self._bad_keys.add(key)
             return None
-
-    def _drop_stale(self) -> None:
-        # Without Redis we cannot see expiries, so apply the TTL ourselves (node clocks assumed in sync).
-        cutoff = time.time() - self.ttl_s
-        self._node_id_to_info = {
-            node_id: info for node_id, info in self._node_id_to_info.items() if info.updated_at >= cutoff
-        }

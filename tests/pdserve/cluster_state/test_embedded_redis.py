@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import time
 
 import pytest
 import redis
@@ -66,3 +69,33 @@ def test_two_servers_get_separate_ports():
 def test_url_before_start_raises():
     with pytest.raises(RuntimeError, match="not started"):
         _ = EmbeddedRedis().url
+
+
+def test_a_killed_server_is_reaped_and_restarts_empty_on_the_same_url():
+    with EmbeddedRedis() as server:
+        url, old_pid = server.url, server.pid
+        with redis.Redis.from_url(url) as client:
+            client.set("k", "v")
+        assert server.poll() is None
+        os.kill(old_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while server.poll() is None:  # poll() reaps it: no zombie left behind
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert server.poll() == -signal.SIGKILL and not pid_alive(old_pid)
+        assert server.restart()
+        assert server.url == url and server.pid != old_pid and server.poll() is None
+        with redis.Redis.from_url(url) as client:
+            assert client.ping() and client.get("k") is None
+
+
+def test_restart_fails_quietly_when_the_port_is_taken():
+    with EmbeddedRedis() as server, socket.socket() as squatter:
+        os.kill(server.pid, signal.SIGKILL)
+        while server.poll() is None:
+            time.sleep(0.02)
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", server.port))
+        squatter.listen()
+        assert server.restart() is False
+        assert server.poll() is not None  # reported dead, so a supervisor tries again later

@@ -177,3 +177,27 @@ def test_block_hashes_are_identical_across_processes_with_different_hash_seeds()
         outputs.add(result.stdout.strip())
     assert len(outputs) == 1
     assert outputs == {b"".join(hash_token_blocks(list(range(100)), 16, "m")).hex()}
+
+
+def test_a_running_publisher_rebuilds_the_index_after_redis_restarts_empty():
+    node = make_node("decode-0", role="decode")
+    hashes = hash_token_blocks(list(range(48)), 16, "tiny")
+
+    async def body(server: EmbeddedRedis):
+        cache = FakeEngineCache(hashes)
+        publisher = KvIndexPublisher(server.url, node, cache.changes, ttl_s=2.0, interval_s=0.05)
+        await publisher.start()
+        assert members(server.url, node) == set(hashes)
+        os.kill(server.pid, signal.SIGKILL)
+        while server.poll() is None:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # flushes fail meanwhile
+        assert server.restart()  # empty, on the same port
+        deadline = time.monotonic() + 3
+        while members(server.url, node) != set(hashes):
+            assert time.monotonic() < deadline, "the index was not rebuilt"
+            await asyncio.sleep(0.05)
+        await publisher.stop()
+
+    with EmbeddedRedis() as server:
+        asyncio.run(body(server))

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -174,26 +176,130 @@ def test_malformed_entry_is_ignored(redis_url):
     asyncio.run(body())
 
 
-def test_view_and_node_survive_redis_outage():
+class FakeProbe:
+    """The gateway's health checker as the view sees it: answers for the node_ids in `alive`."""
+
+    def __init__(self, *alive: str):
+        self.alive = set(alive)
+        self.asked: list[list[str]] = []
+
+    async def __call__(self, nodes: list[NodeInfo]) -> set[str]:
+        self.asked.append([node.node_id for node in nodes])
+        return {node.node_id for node in nodes} & self.alive
+
+
+def kill_redis(server: EmbeddedRedis) -> None:
+    os.kill(server.pid, signal.SIGKILL)
+    wait_until_true(lambda: server.poll() is not None)
+
+
+def wait_until_true(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met before the timeout"
+        time.sleep(0.02)
+
+
+def test_view_keeps_its_snapshot_while_redis_is_stopped_and_the_node_keeps_beating():
     async def body(server: EmbeddedRedis):
         registration = NodeRegistration(server.url, make_node(), EngineLoad, **FAST)
         view = RegistryView(server.url, refresh_s=0.05, ttl_s=1.0)
         await registration.start()
         await view.start()
-        assert len(view.nodes()) == 1
-        server.stop()
-        outage_start = time.time()
-        assert await view.refresh() is False  # no exception, snapshot kept while fresh
-        assert [n.node_id for n in view.nodes()] == ["prefill-0"]
-        last_beat = view.get("prefill-0").updated_at
-        await wait_for(lambda v: v.nodes() == [], view)
-        assert time.time() - last_beat >= 1.0 and time.time() - outage_start < 2.5
+        os.kill(server.pid, signal.SIGSTOP)  # accepts connections, answers nothing
+        try:
+            started = time.monotonic()
+            while time.monotonic() - started < 2.0:  # twice the TTL: every entry would have expired
+                assert [n.node_id for n in view.nodes()] == ["prefill-0"]
+                await asyncio.sleep(0.1)
+            assert await view.refresh() is False
+            assert [n.node_id for n in view.nodes()] == ["prefill-0"]
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
         assert registration._heartbeat.running() and view._refresher.running()  # both loops still retrying
-        await registration.stop()  # deregistration fails quietly; the key would expire anyway
+        await wait_for(lambda v: v.get("prefill-0").updated_at > time.time() - 0.5, view)  # beating again
+        await registration.stop()
         await view.stop()
 
-    server = EmbeddedRedis().start()
-    try:
+    with EmbeddedRedis() as server:
         asyncio.run(body(server))
-    finally:
-        server.stop()
+
+
+def test_while_redis_is_down_the_view_drops_only_the_nodes_that_stop_answering():
+    async def body(server: EmbeddedRedis):
+        nodes = [make_node("prefill-0"), make_node("decode-0", "decode"), make_node("decode-1", "decode")]
+        for node in nodes:
+            await NodeRegistration(server.url, node, EngineLoad, **FAST).beat()
+        probe = FakeProbe("prefill-0", "decode-0", "decode-1")
+        view = RegistryView(server.url, ttl_s=1.0, probe=probe)
+        assert await view.refresh()
+        assert probe.asked == []  # Redis vouches for the nodes: no direct checks
+        kill_redis(server)
+        assert await view.refresh() is False
+        assert [n.node_id for n in view.nodes()] == ["decode-0", "decode-1", "prefill-0"]
+        probe.alive.discard("decode-1")  # died during the outage
+        await asyncio.sleep(1.2)  # past the TTL: the survivors' age does not matter
+        assert await view.refresh() is False
+        assert [n.node_id for n in view.nodes()] == ["decode-0", "prefill-0"]
+        assert sorted(probe.asked[-1]) == ["decode-0", "decode-1", "prefill-0"]
+        await view.stop()
+
+    with EmbeddedRedis() as server:
+        asyncio.run(body(server))
+
+
+def test_after_redis_restarts_empty_live_nodes_are_kept_until_they_reregister():
+    async def body(server: EmbeddedRedis):
+        registrations = [
+            NodeRegistration(server.url, make_node(node_id, role), EngineLoad, **FAST)
+            for node_id, role in [("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")]
+        ]
+        for registration in registrations:
+            await registration.beat()  # one beat each; this test beats by hand
+        view = RegistryView(server.url, ttl_s=1.0, probe=FakeProbe("prefill-0", "decode-0"))
+        assert await view.refresh()
+        kill_redis(server)
+        assert await view.refresh() is False
+        assert server.restart()  # empty, on the same port
+        assert await view.refresh()  # Redis holds no node yet: the ones that answer stay
+        assert [n.node_id for n in view.nodes()] == ["decode-0", "prefill-0"]
+        await asyncio.sleep(1.1)  # the grace of one TTL after the outage ends
+        assert await registrations[0].beat()  # the client reconnects by itself
+        assert await view.refresh()
+        assert [n.node_id for n in view.nodes()] == ["prefill-0"]  # Redis alone decides again
+        await view.stop()
+
+    with EmbeddedRedis() as server:
+        asyncio.run(body(server))
+
+
+def test_without_an_outage_a_node_that_leaves_redis_leaves_the_view_at_once(redis_url):
+    async def body():
+        registration = NodeRegistration(redis_url, make_node(), EngineLoad, **FAST)
+        probe = FakeProbe("prefill-0")
+        view = RegistryView(redis_url, ttl_s=1.0, probe=probe)
+        await registration.start()
+        assert await view.refresh() and len(view.nodes()) == 1
+        await registration.stop()
+        assert await view.refresh() and view.nodes() == []
+        assert probe.asked == []
+        await view.stop()
+
+    asyncio.run(body())
+
+
+def test_node_reregisters_after_redis_restarts_empty():
+    async def body(server: EmbeddedRedis):
+        registration = NodeRegistration(server.url, make_node(), EngineLoad, **FAST)
+        await registration.start()
+        kill_redis(server)
+        await asyncio.sleep(0.3)  # a few failed beats
+        assert server.restart()
+        view = RegistryView(server.url, ttl_s=1.0)
+        await wait_for(lambda v: [n.node_id for n in v.nodes()] == ["prefill-0"], view)
+        assert view.get("prefill-0").incarnation == registration.node_info.incarnation  # the same process
+        await registration.stop()
+        await view.stop()
+
+    with EmbeddedRedis() as server:
+        asyncio.run(body(server))
