@@ -13,12 +13,15 @@ Lifecycle of one Generate stream:
      the last chunk with its finish reason; the request leaves the batch as it finishes.
 However the call ends (done, failed, cancelled at any point), its blocks and its reservation
 in the receiver are released, and the next waiter for blocks is woken. A request id is served
-by one call at a time, so releasing by id never touches a successor's request.
+by one call at a time (a retry that arrives while the first call is being released waits for
+it), so releasing by id never touches another call's request.
 `local_prefill` (colocated mode) skips 1-2: the prompt is computed in this node's own batch.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -32,6 +35,10 @@ from protos import decode_pb2, decode_pb2_grpc
 from protos.convert import logprob_to_proto, sampling_params_from_proto
 
 logger = logging.getLogger(__name__)
+
+# A gateway that retries a request may reach this node again while the first call is still
+# being released: the second waits this long for it.
+MAX_PREVIOUS_CALL_WAIT_S = 1.0
 
 
 def chunk_message(output: RequestOutput) -> decode_pb2.GenerateResponse:
@@ -57,7 +64,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.async_engine = async_engine
         self.receiver = receiver
         self.reservations = ReservationQueue(max_reserve_wait_s)
-        self._live_request_ids: set[str] = set()  # one call per request id at a time
+        self._request_id_to_released: dict[str, asyncio.Event] = {}  # one call per request id at a time
         self.shared_kv = shared_kv  # offered to same-host prefill nodes, when the cache lives there
         self.host_id = host_id
 
@@ -67,9 +74,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        if rid in self._live_request_ids:  # an earlier call with this id is still being released
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid} is still in progress on this node")
-        self._live_request_ids.add(rid)
+        released = await self._take_request_id(rid, context)
         stream = self.async_engine.open_stream(rid)
         finished = False
         try:
@@ -92,8 +97,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             self.receiver.forget(rid)
             if not finished:  # cancelled or failed: free the blocks (abort is a no-op if gone)
                 self.async_engine.submit(lambda engine: engine.abort(rid))
-            self._live_request_ids.discard(rid)
             self.reservations.notify()  # its blocks are free, or will be before the next try runs
+            del self._request_id_to_released[rid]
+            released.set()
+
+    async def _take_request_id(self, rid: str, context) -> asyncio.Event:
+        """The event this call sets once it has released everything, after waiting (within a
+        bound) for an earlier call with the same id to do so: releasing by id then never touches
+        another call's request."""
+        earlier = self._request_id_to_released.get(rid)
+        if earlier is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(earlier.wait(), MAX_PREVIOUS_CALL_WAIT_S)
+        if rid in self._request_id_to_released:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid} is still in progress on this node")
+        released = self._request_id_to_released[rid] = asyncio.Event()
+        return released
 
     async def _add_local(self, rid, prompt, params, context) -> decode_pb2.GenerateResponse:
         try:

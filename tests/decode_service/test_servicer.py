@@ -123,16 +123,19 @@ def test_a_pool_full_past_the_bound_is_refused_with_resource_exhausted(tiny_llam
     run(tiny_llama_path, scenario, max_reserve_wait_s=0.3)
 
 
-def test_a_request_id_still_in_progress_is_refused_without_touching_it(tiny_llama_path):
+def test_a_request_id_is_served_by_one_call_at_a_time(tiny_llama_path):
     async def scenario(pair: Pair):
         first = pair.generate("same", list(range(40)), SamplingParams(max_tokens=4))
         await first.read()
         again = pair.generate("same", list(range(40)), SamplingParams(max_tokens=4))
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            await again.read()
+            await again.read()  # after waiting MAX_PREVIOUS_CALL_WAIT_S for the first call
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
         assert pair.receiver.renew(["same"]).released_request_ids == []  # the first call's reservation stands
-        first.cancel()
+        first.cancel()  # a gateway retrying: cancels its first call, sends the same id at once
+        retry = pair.generate("same", list(range(40)), SamplingParams(max_tokens=4))
+        assert (await retry.read()).reserved.num_blocks == 3  # once the first call released it all
+        retry.cancel()
         assert await pair.is_idle()
 
     run(tiny_llama_path, scenario)
