@@ -140,11 +140,11 @@ def test_a_lease_nobody_renews_expires_and_fails_the_wait():
 
 
 def test_renewals_keep_a_reservation_for_many_lease_periods_until_its_pages_arrive():
-    receiver = KvReceiver(caches(), lease_s=0.1)
+    receiver = KvReceiver(caches(), lease_s=0.2)
     receiver.reserve("r", [0])
 
     async def prefill_node_with_a_long_queue():
-        for _ in range(10):  # 0.3 s: three lease periods
+        for _ in range(20):  # 0.6 s: three lease periods
             await asyncio.sleep(0.03)
             assert receiver.renew(["r"]).released_request_ids == []
         for kind in (KEY, VALUE):
@@ -162,12 +162,12 @@ def test_renewals_keep_a_reservation_for_many_lease_periods_until_its_pages_arri
 
 
 def test_pages_arriving_keep_the_lease_too():
-    receiver = KvReceiver(caches(), lease_s=0.1)
+    receiver = KvReceiver(caches(), lease_s=0.2)
     receiver.reserve("r", [0, 1])
 
     async def slow_push():
         for layer, kind in [(layer, kind) for layer in range(NUM_LAYERS) for kind in (KEY, VALUE)]:
-            await asyncio.sleep(0.06)  # 0.24 s in all, each gap within the lease
+            await asyncio.sleep(0.08)  # 0.32 s in all, each gap well within the lease
             receiver.receive_page(page(layer=layer, kind=kind, num_blocks=2))
         receiver.commit(KvCommit("r", 6))
 
