@@ -26,6 +26,7 @@ from prometheus_client import Counter
 
 from gateway.backend import GenerationChunk
 from gateway.failover import Attempt, FailoverPolicy, NodeCallError, ResumableRequest, calling
+from gateway.node_health import CHANNEL_OPTIONS
 from gateway.router import Route, Router
 from pdserve.cluster_state.registry import NodeInfo, RegistryView
 from pdserve.engine.sampling_params import SamplingParams
@@ -48,12 +49,10 @@ class ClusterBackend:
         self,
         registry: RegistryView,
         router: Router | None = None,
-        kv_timeout_ms: int = 30_000,
         failover: FailoverPolicy | None = None,
     ) -> None:
         self.registry = registry
         self.router = router or Router(registry)
-        self.kv_timeout_ms = kv_timeout_ms
         self.failover = failover or FailoverPolicy()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -104,7 +103,6 @@ class ClusterBackend:
                 prompt_token_ids=prompt,
                 sampling_params=sampling_params_to_proto(params),
                 local_prefill=prefill is None,
-                kv_timeout_ms=self.kv_timeout_ms,
             )
         )
         for node in route.nodes:
@@ -156,8 +154,13 @@ class ClusterBackend:
             decode_kv_layout=reserved.kv_layout,
             decode_num_cached_blocks=reserved.num_cached_blocks,
         )
-        with calling(prefill):
-            response = await stub.Prefill(request)
+        try:
+            with calling(prefill):
+                response = await stub.Prefill(request)
+        except NodeCallError as failure:
+            if failure.code == grpc.StatusCode.ABORTED:  # the decode node let the reservation go: its fault
+                raise NodeCallError(decode, failure.code, str(failure)) from failure
+            raise
         PROMPT_TOKENS.labels(prefill.node_id).inc(len(prompt))
         CACHED_PROMPT_TOKENS.labels(prefill.node_id).inc(response.num_cached_tokens)
         logprobs = [logprob_from_proto(response.first_logprob)] if response.HasField("first_logprob") else []
@@ -167,7 +170,8 @@ class ClusterBackend:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            # Short reconnect backoff: a node restarted on the same address is reachable again soon.
+            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         return self._channels[address]
 
     async def close(self) -> None:

@@ -227,6 +227,25 @@ def test_a_failing_decode_node_is_routed_around_and_the_prefill_node_stays_eligi
     assert (bad.ended, good.ended) == ([("req", "failed")], [("req.1", "finished")])
 
 
+def test_a_prefill_aborted_because_the_decode_node_released_it_blames_the_decode_node():
+    # ABORTED from Prefill says the decode side let the reservation go (its lease ended): the
+    # prefill node is healthy and stays eligible; the next attempt goes to the other decode node.
+    prefill = ScriptedPrefill(fail=grpc.StatusCode.ABORTED, num_failures=1)
+    first, second = ScriptedDecode(), ScriptedDecode()
+
+    async def main():
+        async with cluster(p0=prefill, d0=first, d1=second) as backend:
+            chunks = await generate(backend)
+            assert_released(backend)
+            return chunks, {n.node_id: n.address for n in backend.registry.nodes()}
+
+    chunks, addresses = asyncio.run(main())
+    assert tokens(chunks) == SCRIPT[:3]
+    assert chunks[0].route.startswith("prefill=p0; decode=d1")
+    assert prefill.decode_addresses == [addresses["d0"], addresses["d1"]]
+    assert (first.ended, second.ended) == ([("req", "cancelled")], [("req.1", "finished")])
+
+
 def test_when_every_node_of_a_role_fails_they_are_tried_again_within_the_bound():
     failing = [ScriptedPrefill(fail=grpc.StatusCode.UNAVAILABLE) for _ in range(2)]
     decode = ScriptedDecode()
