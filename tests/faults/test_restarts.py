@@ -24,7 +24,7 @@ from tests.factories import build_tiny_chat_model
 
 pytestmark = pytest.mark.timeout(300)
 
-PAUSE_S = 2 * DEFAULT_TTL_S  # every registry entry would have expired, twice over
+PAUSE_S = 10.0  # the outage: every registry entry would have expired three times over
 # Long enough for full KV blocks (16 tokens) in the prefix cache, so the KV index has entries.
 PROMPT = "Tell me, in a few words, why the sea is salty and the sky is blue on a clear summer day. " * 2
 
