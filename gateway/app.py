@@ -12,6 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import make_asgi_app
 from pydantic.json_schema import models_json_schema
 
+from gateway.auth import ApiKeyMiddleware, document_api_keys
 from gateway.backend import GenerationBackend
 from gateway.errors import install_error_handlers
 from gateway.protocol import ChatCompletionChunk, CompletionChunk
@@ -39,15 +40,19 @@ def create_app(settings: GatewaySettings, backend: GenerationBackend) -> FastAPI
 
     app = FastAPI(title="pdserve gateway", summary="OpenAI-compatible API of a pdserve cluster", lifespan=lifespan)
     install_error_handlers(app)
+    # Inside RequestIdMiddleware, so that a 401 carries its x-request-id too.
+    app.add_middleware(
+        ApiKeyMiddleware, api_keys=settings.api_key, metrics_require_api_key=settings.metrics_require_api_key
+    )
     app.add_middleware(RequestIdMiddleware)
     for module in (completions, chat, models):
         app.include_router(module.router)
     app.mount("/metrics", make_asgi_app())  # Prometheus: routing decisions and the like
-    app.openapi = lambda: _openapi_schema(app)
+    app.openapi = lambda: _openapi_schema(app, with_api_keys=bool(settings.api_key))
     return app
 
 
-def _openapi_schema(app: FastAPI) -> dict[str, Any]:
+def _openapi_schema(app: FastAPI, with_api_keys: bool = False) -> dict[str, Any]:
     """FastAPI's schema plus the streamed chunk models (no route returns them as JSON, so FastAPI
     alone would not list them), without its 422 responses (validation errors are 400 here)."""
     if app.openapi_schema is None:
@@ -64,5 +69,7 @@ def _openapi_schema(app: FastAPI) -> dict[str, Any]:
                 operation.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
+        if with_api_keys:
+            document_api_keys(schema)
         app.openapi_schema = schema
     return app.openapi_schema

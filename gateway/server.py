@@ -9,6 +9,7 @@ import uvicorn
 
 from gateway.admission import AdmissionControl
 from gateway.app import create_app
+from gateway.auth import is_loopback
 from gateway.backend import GenerationBackend
 from gateway.cluster_backend import ClusterBackend
 from gateway.failover import FailoverPolicy
@@ -18,8 +19,17 @@ from gateway.settings import GatewaySettings
 from pdserve.cluster_state.kv_index import KvIndexReader
 from pdserve.cluster_state.registry import RegistryView
 
+logger = logging.getLogger(__name__)
+
 
 def uvicorn_config(settings: GatewaySettings, backend: GenerationBackend) -> uvicorn.Config:
+    if not settings.api_key and not is_loopback(settings.host):
+        logger.warning(
+            "the gateway listens on %s without an API key: anyone who can reach port %d can use it "
+            "(give --api-key, or bind 127.0.0.1; see docs/security.md)",
+            settings.host,
+            settings.port,
+        )
     return uvicorn.Config(
         create_app(settings, backend),
         host=settings.host,

@@ -1,15 +1,16 @@
 """The gateway's settings: read once at the entry point (flags or PDSERVE_GATEWAY_* variables, both
 derived from these fields by pdserve/options.py) and passed down.
 
-`RouterOptions`, `AdmissionOptions` and `GatewayListenOptions` are groups that `pdserve up` shares: it takes the same
-options and hands them to its gateway."""
+`RouterOptions`, `AdmissionOptions`, `ApiKeyOptions` and `GatewayListenOptions` are groups that
+`pdserve up` shares: it takes the same options and hands them to its gateway."""
 
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from pdserve.cluster_state.registry import RedisOptions
 from pdserve.engine.model_loader import DEFAULT_MODEL, MODEL_HELP
@@ -65,7 +66,32 @@ class GatewayListenOptions(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="the gateway's HTTP port")
 
 
-class GatewaySettings(GatewayListenOptions, RouterOptions, AdmissionOptions, RedisOptions, BaseSettings):
+class ApiKeyOptions(BaseModel):
+    """Who may call the API (gateway/auth.py): with keys set, every route but /health needs
+    `Authorization: Bearer <key>`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    # NoDecode: the environment gives "k1,k2" rather than JSON; repr=False keeps keys out of logs.
+    api_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        repr=False,
+        description="an API key clients must send as `Authorization: Bearer <key>`; repeat the flag, or separate "
+        "keys with commas, for several; none: the API is open",
+    )
+    metrics_require_api_key: bool = Field(False, description="/metrics needs an API key too (when keys are set)")
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _split_commas(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list | tuple):
+            return [key.strip() for item in value for key in str(item).split(",") if key.strip()]
+        return value
+
+
+class GatewaySettings(GatewayListenOptions, RouterOptions, AdmissionOptions, ApiKeyOptions, RedisOptions, BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PDSERVE_GATEWAY_", frozen=True)
 
     model: str = Field(DEFAULT_MODEL, description=MODEL_HELP)

@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_cluster(settings: UpSettings) -> int:
-    from gateway.settings import AdmissionOptions, RouterOptions
+    from gateway.settings import AdmissionOptions, ApiKeyOptions, RouterOptions
     from pdserve.launcher import LaunchPlan, run_up
 
     plan = LaunchPlan(
@@ -116,7 +116,9 @@ def run_cluster(settings: UpSettings) -> int:
         # Every node gets the engine and transfer options, the gateway the router and admission ones (the launcher
         # names the model, addresses and node ids itself).
         node_args=tuple(to_flags(settings, EngineOptions, KvTransferOptions, exclude={"model"})),
-        gateway_args=tuple(to_flags(settings, RouterOptions, AdmissionOptions)),
+        gateway_args=tuple(to_flags(settings, RouterOptions, AdmissionOptions, ApiKeyOptions, exclude={"api_key"})),
+        # The keys go by environment, not argv, so that `ps` does not show them.
+        gateway_env=(("PDSERVE_GATEWAY_API_KEY", ",".join(settings.api_key)),) if settings.api_key else (),
         log_dir=settings.log_dir,
         ready_timeout_s=settings.ready_timeout_s,
     )

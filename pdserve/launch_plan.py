@@ -48,6 +48,7 @@ class LaunchPlan:
     node_args: tuple[str, ...] = ()  # appended to every node's command (engine flags)
     prefill_args: tuple[str, ...] = ()  # appended after node_args for prefill nodes only
     gateway_args: tuple[str, ...] = ()  # appended to the gateway's command
+    gateway_env: tuple[tuple[str, str], ...] = ()  # (name, value) added to the gateway's environment: secrets
     ready_timeout_s: float = 300.0
     log_dir: str | None = None
     num_threads: int | None = None  # torch threads per node; None: the machine's cores split between the nodes
@@ -71,7 +72,9 @@ class LaunchPlan:
         for role, port in zip(roles, distinct_free_ports(len(roles))):
             index = role_counts[role] = role_counts.get(role, -1) + 1
             specs.append(self.node_spec(role, f"{role}-{index}", port, redis_url))
-        gateway = ChildSpec("gateway", "gateway", self.model, self.host, self.port, redis_url, None, self.gateway_args)
+        gateway = ChildSpec(
+            "gateway", "gateway", self.model, self.host, self.port, redis_url, None, self.gateway_args, self.gateway_env
+        )
         return specs + [gateway]
 
     def node_spec(self, role: str, name: str, port: int, redis_url: str, flags: Sequence[str] = ()) -> ChildSpec:
@@ -96,6 +99,7 @@ class ChildSpec:
     redis_url: str
     num_threads: int | None  # None for the gateway
     extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # added to the inherited environment (secrets stay out of `ps`)
 
     @property
     def is_node(self) -> bool:

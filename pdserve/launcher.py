@@ -249,7 +249,7 @@ class Launcher:
 
     def _spawn(self, spec: ChildSpec) -> Child:
         log_path = self.log_dir / f"{spec.name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # so a crash's last words reach the log
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(spec.env)}  # unbuffered: a crash's last words get logged
         if spec.num_threads is not None:
             env["OMP_NUM_THREADS"] = str(spec.num_threads)  # caps threads before torch.set_num_threads runs
         with open(log_path, "ab") as log:

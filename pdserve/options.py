@@ -7,6 +7,7 @@ class is a pydantic-settings model made of groups plus its own fields. From that
     add_flags(parser, Settings)     the command's flags: --max-num-seqs, --prefix-caching/--no-prefix-caching
     Settings(...)                   PDSERVE_<COMMAND>_<NAME> environment variables (flags win over them)
     to_flags(settings, Group)       the flags `pdserve up` hands a child for the options it shares
+                                    (a list field: its flag repeated, one value each)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gateway.settings import AdmissionOptions, GatewayListenOptions, RouterOptions
+from gateway.settings import AdmissionOptions, ApiKeyOptions, GatewayListenOptions, RouterOptions
 from pdserve.cluster_state.registry import RedisOptions
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.model_loader import DEFAULT_MODEL, MODEL_HELP
@@ -121,9 +122,11 @@ class GenerateSettings(EngineOptions, BaseSettings):
         )
 
 
-class UpSettings(GatewayListenOptions, RouterOptions, AdmissionOptions, EngineOptions, KvTransferOptions, BaseSettings):
+class UpSettings(
+    GatewayListenOptions, RouterOptions, AdmissionOptions, ApiKeyOptions, EngineOptions, KvTransferOptions, BaseSettings
+):
     """`pdserve up`: Redis, the nodes and the gateway on this machine. The engine and KV transfer
-    options go to every node, the router and admission options to the gateway."""
+    options go to every node, the router, admission and API key options to the gateway."""
 
     model_config = SettingsConfigDict(env_prefix="PDSERVE_UP_", frozen=True)
 
@@ -172,6 +175,8 @@ def to_flags(settings: BaseModel, *groups: type[BaseModel], exclude: Collection[
             flag = name.replace("_", "-")
             if isinstance(value, bool):
                 flags.append(f"--{flag}" if value else f"--no-{flag}")
+            elif isinstance(value, list):
+                flags += [part for item in value for part in (f"--{flag}", str(item))]
             else:
                 flags += [f"--{flag}", str(value.value if isinstance(value, enum.Enum) else value)]
     return flags
@@ -185,6 +190,9 @@ def _flag_kwargs(field: FieldInfo) -> dict:
         return {"choices": typing.get_args(kind)}
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return {"choices": [member.value for member in kind]}
+    if typing.get_origin(kind) is list:  # a repeated flag: --api-key A --api-key B
+        (item,) = typing.get_args(kind)
+        return {"action": "append", "type": item, "metavar": item.__name__.upper()}
     return {"type": kind, "metavar": kind.__name__.upper()}
 
 

@@ -7,9 +7,10 @@ import argparse
 
 import pytest
 
-from gateway.settings import GatewaySettings, RouterOptions, RoutingPolicy
-from pdserve.cli import build_parser
+from gateway.settings import ApiKeyOptions, GatewaySettings, RouterOptions, RoutingPolicy
+from pdserve.cli import build_parser, run_cluster
 from pdserve.engine.config import SchedulerConfig
+from pdserve.launch_plan import default_command
 from pdserve.options import (
     EngineOptions,
     KvTransferOptions,
@@ -81,3 +82,24 @@ def test_every_field_of_every_command_has_a_flag_and_help():
         for name, field in settings_cls.model_fields.items():
             assert name in actions, f"pdserve {command} has no flag for {name}"
             assert field.description and field.description in actions[name].help
+
+
+def test_a_list_option_is_a_repeated_flag_and_a_comma_separated_variable(monkeypatch):
+    assert parse(GatewaySettings, ["--api-key", "sk-a", "--api-key", "sk-b,sk-c"]).api_key == ["sk-a", "sk-b", "sk-c"]
+    monkeypatch.setenv("PDSERVE_GATEWAY_API_KEY", "sk-env-a,sk-env-b")
+    assert parse(GatewaySettings, []).api_key == ["sk-env-a", "sk-env-b"]
+    assert parse(GatewaySettings, ["--api-key", "sk-flag"]).api_key == ["sk-flag"]  # the flag wins
+    up = parse(UpSettings, ["--api-key", "sk-a", "--api-key", "sk-b", "--metrics-require-api-key"])
+    assert to_flags(up, ApiKeyOptions) == ["--api-key", "sk-a", "--api-key", "sk-b", "--metrics-require-api-key"]
+
+
+def test_up_hands_its_gateway_the_keys_by_environment_not_argv(monkeypatch):
+    plans = []
+    monkeypatch.setattr("pdserve.launcher.run_up", lambda plan: plans.append(plan) or 0)
+    run_cluster(parse(UpSettings, ["--api-key", "sk-a", "--api-key", "sk-b", "--metrics-require-api-key"]))
+    (gateway,) = [spec for spec in plans[0].child_specs("redis://r:1/0") if spec.role == "gateway"]
+    assert dict(gateway.env) == {"PDSERVE_GATEWAY_API_KEY": "sk-a,sk-b"}
+    assert "--metrics-require-api-key" in gateway.extra_args
+    assert not any("sk-" in arg for arg in default_command(gateway))
+    monkeypatch.setenv("PDSERVE_GATEWAY_API_KEY", gateway.env[0][1])
+    assert parse(GatewaySettings, list(gateway.extra_args)).api_key == ["sk-a", "sk-b"]
