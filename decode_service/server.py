@@ -55,9 +55,10 @@ class DecodeNodeService:
         segment = self.kv_storage.segment if self.kv_storage is not None else None
         kv_caches = async_engine.engine.kv_caches
         self._receiver = KvReceiver(kv_caches, in_shared_memory=segment is not None, lease_s=self.kv_lease_s)
-        servicer = DecodeServicer(async_engine, self._receiver, self.max_reserve_wait_s, segment, host_id())
+        servicer = DecodeServicer(async_engine, self._receiver, self.max_reserve_wait_s)
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
-        KvTransferServicer(self._receiver).add_to_server(server)
+        shared_kv = (segment.name, host_id(), segment.layout) if segment is not None else ("", "", "")
+        KvTransferServicer(self._receiver, shared_kv).add_to_server(server)
 
     def kv_transfer_stats(self) -> KvTransferStats:
         return self._receiver.stats() if self._receiver is not None else KvTransferStats()

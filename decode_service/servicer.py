@@ -3,18 +3,21 @@
 Lifecycle of one Generate stream:
   1. reserve KV blocks for the prompt, reusing the leading blocks this node has cached; if the
      pool is full, wait in turn for blocks to free up (reservation_queue.py), and only past
-     `max_reserve_wait_s` fail with RESOURCE_EXHAUSTED; then send `reserved`, so the gateway
-     can start the prefill; only the blocks after the cached ones are pushed;
+     `max_reserve_wait_s` fail with RESOURCE_EXHAUSTED; then send `reserved` with a random
+     reservation token, so the gateway can start the prefill; the prefill node learns the
+     block ids and segment from this node with the token, and pages, commits and renewals are
+     accepted only under it; only the blocks after the cached ones are pushed;
   2. wait for the prefill node to push every page and commit the first token, for as long as
      the prefill node renews the reservation's lease (kvtransfer/lease_keeper.py says why a
      lease): a long queue there never fails the request; a lease that expires (the prefill
-     node is gone) or a bad page frees the blocks and fails the call with UNAVAILABLE;
+     node is gone, or never came) or a bad page frees the blocks and fails the call with
+     UNAVAILABLE; the caller picks no deadline (the deprecated `kv_timeout_ms` is ignored);
   3. join the continuous batch at the next step boundary and stream each sampled token,
      the last chunk with its finish reason; the request leaves the batch as it finishes.
 However the call ends (done, failed, cancelled at any point), its blocks and its reservation
 in the receiver are released, and the next waiter for blocks is woken. A request id is served
-by one call at a time (a retry that arrives while the first call is being released waits for
-it), so releasing by id never touches another call's request.
+by one call at a time: a duplicate waits briefly for an earlier call that is being released (a
+gateway retrying), and fails ALREADY_EXISTS, touching nothing, while the earlier one lives.
 `local_prefill` (colocated mode) skips 1-2: the prompt is computed in this node's own batch.
 """
 
@@ -27,8 +30,7 @@ import logging
 import grpc
 
 from decode_service.reservation_queue import ReservationQueue
-from kvtransfer.base import KvReceiver, TransferError
-from kvtransfer.shm_transport import SharedKvCache
+from kvtransfer.base import KvReceiver, TransferError, new_reservation_token
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.request import RequestOutput
 from protos import decode_pb2, decode_pb2_grpc
@@ -58,15 +60,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         async_engine: AsyncEngine,
         receiver: KvReceiver,
         max_reserve_wait_s: float,
-        shared_kv: SharedKvCache | None = None,
-        host_id: str = "",
     ) -> None:
         self.async_engine = async_engine
         self.receiver = receiver
         self.reservations = ReservationQueue(max_reserve_wait_s)
         self._request_id_to_released: dict[str, asyncio.Event] = {}  # one call per request id at a time
-        self.shared_kv = shared_kv  # offered to same-host prefill nodes, when the cache lives there
-        self.host_id = host_id
 
     async def Generate(self, request: decode_pb2.GenerateRequest, context):
         rid = request.request_id
@@ -76,14 +74,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         released = await self._take_request_id(rid, context)
         stream = self.async_engine.open_stream(rid)
-        finished = False
+        finished, token = False, ""
         try:
             prompt = list(request.prompt_token_ids)
             if request.local_prefill:
                 yield await self._add_local(rid, prompt, params, context)
             else:
-                yield await self._reserve(rid, prompt, params, context)
-                final = await self._await_pages(rid, context)
+                token = new_reservation_token()
+                yield await self._reserve(rid, token, prompt, params, context)
+                final = await self._await_pages(rid, token, context)
                 if final is not None:
                     finished = True
                     yield chunk_message(final)
@@ -94,7 +93,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 yield chunk_message(output)
         finally:
             self.async_engine.close_stream(rid)
-            self.receiver.forget(rid)
+            if token:
+                self.receiver.forget(token)
             if not finished:  # cancelled or failed: free the blocks (abort is a no-op if gone)
                 self.async_engine.submit(lambda engine: engine.abort(rid))
             self.reservations.notify()  # its blocks are free, or will be before the next try runs
@@ -110,7 +110,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(earlier.wait(), MAX_PREVIOUS_CALL_WAIT_S)
         if rid in self._request_id_to_released:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid} is still in progress on this node")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is in progress on this node")
         released = self._request_id_to_released[rid] = asyncio.Event()
         return released
 
@@ -121,7 +121,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return decode_pb2.GenerateResponse(reserved=decode_pb2.Reserved(num_blocks=0))
 
-    async def _reserve(self, rid, prompt, params, context) -> decode_pb2.GenerateResponse:
+    async def _reserve(self, rid, token, prompt, params, context) -> decode_pb2.GenerateResponse:
         def try_reserve():
             return self.async_engine.call(lambda engine: engine.reserve_prefilled(rid, prompt, params))
 
@@ -132,23 +132,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         if reservation is None:
             waited = f"{self.reservations.max_wait_s:.1f} s"
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode node had no free KV blocks for {waited}")
-        self.receiver.reserve(rid, reservation.block_ids)  # only the blocks not cached here already
+        # Only the blocks not cached here already; nobody learns their ids but through the token.
+        self.receiver.reserve(token, reservation.block_ids, reservation.num_cached_blocks)
         reserved = decode_pb2.Reserved(
             num_blocks=len(reservation.block_ids),
-            block_ids=reservation.block_ids,
             num_cached_blocks=reservation.num_cached_blocks,
+            reservation_token=token,
         )
-        if self.shared_kv is not None:
-            reserved.shm_name, reserved.host_id, reserved.kv_layout = (
-                self.shared_kv.name,
-                self.host_id,
-                self.shared_kv.layout,
-            )
         return decode_pb2.GenerateResponse(reserved=reserved)
 
-    async def _await_pages(self, rid, context) -> RequestOutput | None:
+    async def _await_pages(self, rid, token, context) -> RequestOutput | None:
         try:
-            commit = await self.receiver.wait(rid)
+            commit = await self.receiver.wait(token)
         except TransferError as error:
             logger.warning("request %s: %s", rid, error)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error}")

@@ -148,11 +148,7 @@ class ClusterBackend:
             prompt_token_ids=prompt,
             sampling_params=sampling_params_to_proto(params),
             decode_address=decode.address,
-            decode_block_ids=reserved.block_ids,
-            decode_shm_name=reserved.shm_name,
-            decode_host_id=reserved.host_id,
-            decode_kv_layout=reserved.kv_layout,
-            decode_num_cached_blocks=reserved.num_cached_blocks,
+            reservation_token=reserved.reservation_token,  # the decode node tells the prefill node the rest
         )
         try:
             with calling(prefill):

@@ -1,13 +1,19 @@
 """The KV transfer interface: what a sender pushes and how a receiver checks and stores it.
 
+Every transfer is named by its reservation token (`new_reservation_token`), which the decode
+node hands out with the reservation and nobody can guess: pages, commits and renewals that name
+anything else are refused, and the sender learns the block ids and shared-memory segment from
+the decode node (`reservation`), never from its caller.
+
 Lifecycle of one request's transfer, as the receiver sees it:
-  1. `reserve(request_id, block_ids)`      PENDING: the decode engine holds the blocks, under a
+  1. `reserve(token, block_ids)`           PENDING: the decode engine holds the blocks, under a
                                            lease of `lease_s`
   *  `renew([request_id, ...])`            the prefill node still has the prompt (queued or
                                            being computed): the lease runs `lease_s` from now
   2. `receive_page(page)` for each page    TRANSFERRING: every page is checked against the
                                            reservation, then written straight into the blocks
-  3. `commit(request_id, first_token)`     DONE when every page arrived, else FAILED
+  3. `commit(token, first_token)`          DONE when every page arrived (in shared memory: every
+                                           block's first slot was written), else FAILED
   any check failing, or the lease expiring FAILED with a reason; other requests are unaffected
 The decode service awaits `wait(request_id)` and then admits (or aborts) the request; `forget`
 drops the reservation, and the next renewal tells the prefill node it was released.
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import secrets
 import time
 import warnings
 from abc import ABC, abstractmethod
@@ -75,6 +82,7 @@ class KvDestination:
     shm_name: str = ""
     host_id: str = ""
     kv_layout: str = ""
+    num_cached_blocks: int = 0  # the prompt's leading blocks the decode node holds already: not sent
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,11 @@ class LeaseRenewal:
 
 class TransferError(Exception):
     """A transfer failed; the message says why."""
+
+
+def new_reservation_token() -> str:
+    """A random name for one reservation (128 bits): only whoever was handed it can use it."""
+    return secrets.token_urlsafe(16)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -145,6 +158,7 @@ def _gather(cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
 @dataclass
 class _Reservation:
     block_ids: list[int]
+    num_cached_blocks: int = 0
     status: TransferStatus = TransferStatus.PENDING
     reason: str = ""
     received: set[tuple[int, int, int]] = field(default_factory=set)  # (layer, kind, block index)
@@ -179,8 +193,24 @@ class KvReceiver:
     def stats(self) -> KvTransferStats:
         return KvTransferStats(self.num_blocks_received, self.num_bytes_received)
 
-    def reserve(self, request_id: str, block_ids: list[int]) -> None:
-        self.reservations[request_id] = _Reservation(list(block_ids), expires_at=time.monotonic() + self.lease_s)
+    def reserve(self, token: str, block_ids: list[int], num_cached_blocks: int = 0) -> None:
+        """Holds the blocks under `token` (from `new_reservation_token`). In shared memory,
+        where senders write without telling us, each block's first slot is zeroed: a commit is
+        accepted only once the sender has overwritten every one of them (`_written_in_place`),
+        so a commit without pages never admits stale KV of an earlier request."""
+        if self.in_shared_memory:
+            index = torch.tensor(block_ids, dtype=torch.long)
+            for layer in self.kv_caches:
+                for cache in layer:
+                    cache[index, 0] = 0
+        expires_at = time.monotonic() + self.lease_s
+        self.reservations[token] = _Reservation(list(block_ids), num_cached_blocks, expires_at=expires_at)
+
+    def reservation(self, token: str) -> tuple[list[int], int]:
+        """The open reservation's block ids and number of cached leading blocks; raises
+        TransferError for a token this receiver does not hold open."""
+        reservation = self._open_reservation(token)
+        return list(reservation.block_ids), reservation.num_cached_blocks
 
     def renew(self, request_ids) -> LeaseRenewal:
         """Extends the leases of the open reservations among `request_ids`; names the others
@@ -218,8 +248,9 @@ class KvReceiver:
     def commit(self, commit: KvCommit) -> None:
         reservation = self._open_reservation(commit.request_id)
         expected = self.num_layers * 2 * len(reservation.block_ids)
-        if commit.pages_in_shared_memory and self.in_shared_memory and not reservation.received:
-            reservation.received = {(0, 0, i) for i in range(expected)}  # written in place by the sender
+        in_place = commit.pages_in_shared_memory and self.in_shared_memory and not reservation.received
+        if in_place and self._written_in_place(reservation.block_ids):
+            reservation.received = {(0, 0, i) for i in range(expected)}
         if len(reservation.received) != expected:
             error = f"request {commit.request_id}: commit after {len(reservation.received)} of {expected} blocks"
             self.fail(commit.request_id, error)
@@ -256,6 +287,14 @@ class KvReceiver:
 
     def forget(self, request_id: str) -> None:
         self.reservations.pop(request_id, None)
+
+    def _written_in_place(self, block_ids: list[int]) -> bool:
+        """Whether every layer's K and V of every block has a non-zero first slot. Real K/V
+        vectors are never exactly all zero; the ones `reserve` zeroed stay so until written."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        return all(
+            bool(cache[index, 0].flatten(1).ne(0).any(dim=1).all()) for layer in self.kv_caches for cache in layer
+        )
 
     def _open_reservation(self, request_id: str) -> _Reservation:
         reservation = self.reservations.get(request_id)
@@ -314,6 +353,12 @@ class KvSender(ABC):
     def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> KvStream:
         """A layer-wise push, opened before the prefill forward pass runs (on the event loop);
         raises TransferError if the destination cannot be reached this way."""
+
+    @abstractmethod
+    async def get_reservation(self, address: str, token: str, timeout_s: float) -> KvDestination:
+        """Where the pages of the reservation `token` go, as the decode node at `address`
+        answers (block ids, cached blocks, its shared-memory segment); raises TransferError if
+        it holds no such reservation or cannot be reached."""
 
     @abstractmethod
     async def renew_leases(self, address: str, request_ids: list[str], timeout_s: float) -> LeaseRenewal:

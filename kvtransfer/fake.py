@@ -29,6 +29,12 @@ class FakeKvSender(KvSender):
     def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> FakeKvStream:
         return FakeKvStream(self, self.receivers[destination.address], kv_caches, request_id)
 
+    async def get_reservation(self, address: str, token: str, timeout_s: float) -> KvDestination:
+        if address not in self.receivers:
+            raise TransferError(f"reservation at {address}: UNAVAILABLE")
+        block_ids, num_cached_blocks = self.receivers[address].reservation(token)
+        return KvDestination(address, tuple(block_ids), num_cached_blocks=num_cached_blocks)
+
     async def renew_leases(self, address: str, request_ids: list[str], timeout_s: float) -> LeaseRenewal:
         if address in self.unreachable:
             raise TransferError(f"renewal at {address} failed: UNAVAILABLE")

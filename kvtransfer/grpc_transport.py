@@ -47,6 +47,7 @@ PUSH_KV = "/pdserve.v1.KvTransferService/PushKv"
 COMMIT_KV = "/pdserve.v1.KvTransferService/CommitKv"
 RENEW_LEASES = "/pdserve.v1.KvTransferService/RenewLeases"
 
+GET_RESERVATION = "/pdserve.v1.KvTransferService/GetReservation"
 
 class GrpcKvSender(KvSender):
     """Keeps one channel per decode address."""
@@ -75,6 +76,19 @@ class GrpcKvSender(KvSender):
 
     async def renew_leases(self, address: str, request_ids: list[str], timeout_s: float) -> LeaseRenewal:
         renew = self._channel(address).unary_unary(
+    async def get_reservation(self, address: str, token: str, timeout_s: float) -> KvDestination:
+        get = self._channel(address).unary_unary(
+            GET_RESERVATION,
+            request_serializer=kv_transfer_pb2.GetReservationRequest.SerializeToString,
+            response_deserializer=kv_transfer_pb2.GetReservationResponse.FromString,
+        )
+        try:
+            answer = await get(kv_transfer_pb2.GetReservationRequest(reservation_token=token), timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise TransferError(f"reservation at {address}: {error.code().name} {error.details()}") from error
+        shm = (answer.shm_name, answer.host_id, answer.kv_layout)
+        return KvDestination(address, tuple(answer.block_ids), *shm, num_cached_blocks=answer.num_cached_blocks)
+
             RENEW_LEASES,
             request_serializer=kv_transfer_pb2.RenewLeasesRequest.SerializeToString,
             response_deserializer=kv_transfer_pb2.RenewLeasesResponse.FromString,
@@ -142,14 +156,17 @@ class GrpcKvStream(KvStream):
 
 
 class KvTransferServicer:
-    """Decode side: feeds every pushed message to the receiver; the first error ends the stream."""
+    """Decode side: feeds every pushed message to the receiver; the first error ends the stream.
+    `shared_kv` (name, host id, layout of the KV cache's shared-memory segment) is offered to
+    senders that ask for a reservation, when the cache lives in one."""
 
-    def __init__(self, receiver: KvReceiver) -> None:
+    def __init__(self, receiver: KvReceiver, shared_kv: tuple[str, str, str] = ("", "", "")) -> None:
         self.receiver = receiver
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Registers both methods; PushKv messages are decoded by page_codec (pages as views)."""
         respond = kv_transfer_pb2.PushKvResponse.SerializeToString
+        self.shared_kv = shared_kv
         handlers = {
             "PushKv": grpc.stream_unary_rpc_method_handler(
                 self.PushKv, request_deserializer=decode_request, response_serializer=respond
@@ -166,6 +183,11 @@ class KvTransferServicer:
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler("pdserve.v1.KvTransferService", handlers),)
         )
+            "GetReservation": grpc.unary_unary_rpc_method_handler(
+                self.GetReservation,
+                request_deserializer=kv_transfer_pb2.GetReservationRequest.FromString,
+                response_serializer=kv_transfer_pb2.GetReservationResponse.SerializeToString,
+            ),
 
     async def PushKv(self, request_iterator, context) -> kv_transfer_pb2.PushKvResponse:
         try:
@@ -190,4 +212,18 @@ class KvTransferServicer:
         renewal = self.receiver.renew(request.request_ids)
         return kv_transfer_pb2.RenewLeasesResponse(
             released_request_ids=renewal.released_request_ids, lease_ms=round(renewal.lease_s * 1000)
+        )
+
+    async def GetReservation(self, request: kv_transfer_pb2.GetReservationRequest, context):
+        try:
+            block_ids, num_cached_blocks = self.receiver.reservation(request.reservation_token)
+        except TransferError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no open reservation has this token")
+        shm_name, host_id, kv_layout = self.shared_kv
+        return kv_transfer_pb2.GetReservationResponse(
+            block_ids=block_ids,
+            num_cached_blocks=num_cached_blocks,
+            shm_name=shm_name,
+            host_id=host_id,
+            kv_layout=kv_layout,
         )

@@ -1,8 +1,9 @@
 """Same-host KV transfer through shared memory: only metadata crosses gRPC.
 
 The decode node allocates its whole KV cache inside one POSIX shared-memory segment and
-names it (with its host id and cache layout) in the `reserved` answer. A prefill node on the
-same host maps that segment once and copies each page straight into the reserved blocks, one
+names it (with its host id and cache layout) when a prefill node asks for a reservation
+(GetReservation). A prefill node on the same host maps that segment, if its name is a pdserve
+one (`SEGMENT_PREFIX`), once and copies each page straight into the reserved blocks, one
 memcpy per layer and kind, then sends only a commit over the gRPC stream. Nodes on different
 hosts, or with a different layout, fall back to the gRPC page stream.
 """
@@ -10,6 +11,7 @@ hosts, or with a different layout, fall back to the gRPC page stream.
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 from functools import cache
 from multiprocessing import resource_tracker, shared_memory
@@ -31,6 +33,7 @@ from pdserve.engine.kv_cache import kv_caches_over
 
 logger = logging.getLogger(__name__)
 
+SEGMENT_PREFIX = "pdserve_kv_"  # a sender attaches to no other segment, whatever a reply names
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CREATED_HERE: set[str] = set()  # segments this process owns (and its resource tracker unlinks)
 
@@ -80,7 +83,8 @@ class SharedKvCache:
             * head_dim
             * torch.empty((), dtype=dtype).element_size()
         )
-        self.segment = shared_memory.SharedMemory(create=True, size=nbytes)
+        name = SEGMENT_PREFIX + secrets.token_hex(8)
+        self.segment = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
         _CREATED_HERE.add(self.segment.name)
         self.kv_caches = _tensors_over(self.segment.buf, self.layout)
         for k, v in self.kv_caches:
@@ -106,7 +110,7 @@ class ShmKvSender(KvSender):
 
     def can_share(self, destination: KvDestination, kv_caches) -> bool:
         return (
-            bool(destination.shm_name)
+            destination.shm_name.startswith(SEGMENT_PREFIX)
             and destination.host_id == host_id()
             and destination.kv_layout == kv_layout(kv_caches)
         )
@@ -117,6 +121,9 @@ class ShmKvSender(KvSender):
         if self.require:
             raise TransferError(f"decode node {destination.address} offers no shared-memory KV cache on this host")
         return self.grpc_sender.open_stream(destination, kv_caches, request_id)
+
+    async def get_reservation(self, address: str, token: str, timeout_s: float) -> KvDestination:
+        return await self.grpc_sender.get_reservation(address, token, timeout_s)
 
     async def renew_leases(self, address: str, request_ids: list[str], timeout_s: float) -> LeaseRenewal:
         return await self.grpc_sender.renew_leases(address, request_ids, timeout_s)  # metadata: over gRPC

@@ -1,6 +1,9 @@
 """The prefill node's gRPC servicer.
 
 Lifecycle of one Prefill call:
+  0. ask the decode node named in the request for the reservation of its token (block ids,
+     cached blocks, shared-memory segment): the caller names none of them, so a Prefill call
+     can write only into blocks that decode node reserved, under that token;
   1. open a layer-wise KV stream to the decode node (shared memory on the same host, else a
      gRPC page stream) and hold the decode node's reservation under a lease that this node
      renews while the prompt waits or is computed (kvtransfer/lease_keeper.py says why);
@@ -29,7 +32,7 @@ import logging
 
 import grpc
 
-from kvtransfer.base import KvCommit, KvDestination, KvSender, KvStream, TransferError
+from kvtransfer.base import KvCommit, KvSender, KvStream, TransferError
 from kvtransfer.lease_keeper import Lease, LeaseKeeper
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import HeldPrompt
@@ -50,14 +53,8 @@ def finish_reason_after_first_token(
     return None
 
 
-def destination_of(request: prefill_pb2.PrefillRequest) -> KvDestination:
-    return KvDestination(
-        address=request.decode_address,
-        block_ids=tuple(request.decode_block_ids),
-        shm_name=request.decode_shm_name,
-        host_id=request.decode_host_id,
-        kv_layout=request.decode_kv_layout,
-    )
+# How long the decode node may take to say where a reservation's pages go.
+GET_RESERVATION_TIMEOUT_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,14 +130,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        destination = destination_of(request)
+        token = request.reservation_token  # the transfer's name at the decode node, not the request id
         try:
-            stream = self.sender.open_stream(destination, self.kv_caches, rid)
+            destination = await self.sender.get_reservation(request.decode_address, token, GET_RESERVATION_TIMEOUT_S)
+            stream = self.sender.open_stream(destination, self.kv_caches, token)
         except TransferError as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         key = f"{rid}#{next(self._call_counter)}"  # this call's id in the engine and in pushes
-        self.pushes.add(key, stream, request.decode_num_cached_blocks)
-        lease = self.leases.hold(rid, destination.address)
+        self.pushes.add(key, stream, destination.num_cached_blocks)
+        lease = self.leases.hold(token, destination.address)
         try:
             output = await self._first_token(key, list(request.prompt_token_ids), params, lease, context)
         except BaseException:  # refused, cancelled or lost: nothing will be pushed
@@ -150,7 +148,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         logprob = output.new_logprobs[0] if output.new_logprobs else None
         reason = finish_reason_after_first_token(params, self.eos_token_ids, token_id)
         if reason is None:
-            self._start_commit(key, lease, KvCommit(rid, token_id, logprob))
+            self._start_commit(key, lease, KvCommit(token, token_id, logprob))
         else:
             self._drop(key, lease)
         response = prefill_pb2.PrefillResponse(

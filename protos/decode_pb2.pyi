@@ -22,20 +22,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., kv_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class Reserved(_message.Message):
-    __slots__ = ("num_blocks", "block_ids", "shm_name", "host_id", "kv_layout", "num_cached_blocks")
+    __slots__ = ("num_blocks", "num_cached_blocks", "reservation_token")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
-    HOST_ID_FIELD_NUMBER: _ClassVar[int]
-    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    shm_name: str
-    host_id: str
-    kv_layout: str
     num_cached_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., shm_name: _Optional[str] = ..., host_id: _Optional[str] = ..., kv_layout: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    reservation_token: str
+    def __init__(self, num_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., reservation_token: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "num_cached_tokens")

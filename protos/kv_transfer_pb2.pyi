@@ -80,3 +80,23 @@ class RenewLeasesResponse(_message.Message):
     released_request_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_ms: int
     def __init__(self, released_request_ids: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class GetReservationRequest(_message.Message):
+    __slots__ = ("reservation_token",)
+    RESERVATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    reservation_token: str
+    def __init__(self, reservation_token: _Optional[str] = ...) -> None: ...
+
+class GetReservationResponse(_message.Message):
+    __slots__ = ("block_ids", "num_cached_blocks", "shm_name", "host_id", "kv_layout")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_blocks: int
+    shm_name: str
+    host_id: str
+    kv_layout: str
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., shm_name: _Optional[str] = ..., host_id: _Optional[str] = ..., kv_layout: _Optional[str] = ...) -> None: ...

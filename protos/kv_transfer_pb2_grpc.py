@@ -49,6 +49,11 @@ class KvTransferServiceStub:
                 request_serializer=protos_dot_kv__transfer__pb2.RenewLeasesRequest.SerializeToString,
                 response_deserializer=protos_dot_kv__transfer__pb2.RenewLeasesResponse.FromString,
                 _registered_method=True)
+        self.GetReservation = channel.unary_unary(
+                '/pdserve.v1.KvTransferService/GetReservation',
+                request_serializer=protos_dot_kv__transfer__pb2.GetReservationRequest.SerializeToString,
+                response_deserializer=protos_dot_kv__transfer__pb2.GetReservationResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServiceServicer:
@@ -75,6 +80,14 @@ class KvTransferServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetReservation(self, request, context):
+        """Before a push: where the reservation's pages go, as the decode node handed it out
+        (NOT_FOUND for a token it does not hold).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +105,11 @@ def add_KvTransferServiceServicer_to_server(servicer, server):
                     servicer.RenewLeases,
                     request_deserializer=protos_dot_kv__transfer__pb2.RenewLeasesRequest.FromString,
                     response_serializer=protos_dot_kv__transfer__pb2.RenewLeasesResponse.SerializeToString,
+            ),
+            'GetReservation': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetReservation,
+                    request_deserializer=protos_dot_kv__transfer__pb2.GetReservationRequest.FromString,
+                    response_serializer=protos_dot_kv__transfer__pb2.GetReservationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +193,33 @@ class KvTransferService:
             '/pdserve.v1.KvTransferService/RenewLeases',
             protos_dot_kv__transfer__pb2.RenewLeasesRequest.SerializeToString,
             protos_dot_kv__transfer__pb2.RenewLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetReservation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KvTransferService/GetReservation',
+            protos_dot_kv__transfer__pb2.GetReservationRequest.SerializeToString,
+            protos_dot_kv__transfer__pb2.GetReservationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/prefill.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\x92\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x05 \x03(\x05\x12\x17\n\x0f\x64\x65\x63ode_shm_name\x18\x06 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_host_id\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_kv_layout\x18\x08 \x01(\t\x12 \n\x18\x64\x65\x63ode_num_cached_blocks\x18\t \x01(\x05\"\x9e\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x32T\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/prefill.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\xc4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x19\n\x11reservation_token\x18\n \x01(\tJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tJ\x04\x08\t\x10\n\"\x9e\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x32T\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.prefill_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=58
-  _globals['_PREFILLREQUEST']._serialized_end=332
-  _globals['_PREFILLRESPONSE']._serialized_start=335
-  _globals['_PREFILLRESPONSE']._serialized_end=493
-  _globals['_PREFILLSERVICE']._serialized_start=495
-  _globals['_PREFILLSERVICE']._serialized_end=579
+  _globals['_PREFILLREQUEST']._serialized_end=254
+  _globals['_PREFILLRESPONSE']._serialized_start=257
+  _globals['_PREFILLRESPONSE']._serialized_end=415
+  _globals['_PREFILLSERVICE']._serialized_start=417
+  _globals['_PREFILLSERVICE']._serialized_end=501
 # @@protoc_insertion_point(module_scope)

@@ -8,26 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "decode_address", "decode_block_ids", "decode_shm_name", "decode_host_id", "decode_kv_layout", "decode_num_cached_blocks")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "decode_address", "reservation_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
-    DECODE_HOST_ID_FIELD_NUMBER: _ClassVar[int]
-    DECODE_KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    DECODE_NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
     decode_address: str
-    decode_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    decode_shm_name: str
-    decode_host_id: str
-    decode_kv_layout: str
-    decode_num_cached_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_shm_name: _Optional[str] = ..., decode_host_id: _Optional[str] = ..., decode_kv_layout: _Optional[str] = ..., decode_num_cached_blocks: _Optional[int] = ...) -> None: ...
+    reservation_token: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation_token: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "finished", "finish_reason", "num_cached_tokens")

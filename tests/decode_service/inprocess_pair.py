@@ -44,8 +44,7 @@ class Pair:
             prompt_token_ids=prompt,
             sampling_params=sampling_params_to_proto(params),
             decode_address="decode",
-            decode_block_ids=reserved.block_ids,
-            decode_num_cached_blocks=reserved.num_cached_blocks,
+            reservation_token=reserved.reservation_token,
         )
         return prefill_pb2_grpc.PrefillServiceStub(self.channel).Prefill(request)
 

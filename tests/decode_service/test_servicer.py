@@ -123,22 +123,49 @@ def test_a_pool_full_past_the_bound_is_refused_with_resource_exhausted(tiny_llam
     run(tiny_llama_path, scenario, max_reserve_wait_s=0.3)
 
 
-def test_a_request_id_is_served_by_one_call_at_a_time(tiny_llama_path):
+def test_a_duplicate_of_a_live_request_id_fails_already_exists_and_leaves_the_first_call_alone(tiny_llama_path):
+    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0.0)
+
     async def scenario(pair: Pair):
-        first = pair.generate("same", list(range(40)), SamplingParams(max_tokens=4))
-        await first.read()
-        again = pair.generate("same", list(range(40)), SamplingParams(max_tokens=4))
+        first = pair.generate("same", prompt, params)
+        reserved = (await first.read()).reserved
+        again = pair.generate("same", list(range(40)), SamplingParams(max_tokens=4))  # ids show in x-request-id
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            await again.read()  # after waiting MAX_PREVIOUS_CALL_WAIT_S for the first call
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert pair.receiver.renew(["same"]).released_request_ids == []  # the first call's reservation stands
-        first.cancel()  # a gateway retrying: cancels its first call, sends the same id at once
-        retry = pair.generate("same", list(range(40)), SamplingParams(max_tokens=4))
-        assert (await retry.read()).reserved.num_blocks == 3  # once the first call released it all
+            await again.read()
+        assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert await free_blocks(pair.decode) == NUM_BLOCKS - 3  # the duplicate reserved nothing, freed nothing
+        first_token = (await pair.prefill_call("same", prompt, params, reserved)).first_token_id
+        tokens = [first_token]
+        while (message := await first.read()) is not grpc.aio.EOF:
+            tokens += message.chunk.token_ids
+        assert (
+            tokens == offline(tiny_llama_path).generate([prompt], params)[0].token_ids
+        )  # the first call never noticed
+        retry = pair.generate("same", list(range(40)), SamplingParams(max_tokens=4))  # once it ended, the id is free
+        assert (await retry.read()).reserved.num_blocks == 3
         retry.cancel()
         assert await pair.is_idle()
 
     run(tiny_llama_path, scenario)
+
+
+def test_the_caller_picks_no_deadline_and_an_unfilled_reservation_expires_with_its_lease(tiny_llama_path):
+    async def scenario(pair: Pair):
+        started = asyncio.get_running_loop().time()
+        # The longest deadline the deprecated field can name (24.8 days): ignored.
+        call = pair.generate("hog", list(range(40)), SamplingParams(max_tokens=1), kv_timeout_ms=2**31 - 1)
+        reserved = (await call.read()).reserved
+        assert await free_blocks(pair.decode) == NUM_BLOCKS - 3
+        assert pair.receiver.renew(["hog"]).released_request_ids == ["hog"]  # its request id renews nothing
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await call.read()  # no page, no renewal under its token: the lease runs out
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert asyncio.get_running_loop().time() - started < 2.0
+        assert await free_blocks(pair.decode) == NUM_BLOCKS
+        assert pair.receiver.renew([reserved.reservation_token]).released_request_ids == [reserved.reservation_token]
+        assert await pair.is_idle()
+
+    run(tiny_llama_path, scenario, lease_s=0.3)
 
 
 def test_second_chat_turn_pushes_only_the_blocks_the_decode_node_lacks(tiny_llama_path):

@@ -55,9 +55,7 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServiceServicer):
                 await context.abort(self.fail, "decode node going away")
             name = uuid.uuid4().hex
             arrived = PAGES_ARRIVED.setdefault(name, asyncio.Event())
-            yield decode_pb2.GenerateResponse(
-                reserved=decode_pb2.Reserved(num_blocks=3, block_ids=[0, 1, 2], shm_name=name)
-            )
+            yield decode_pb2.GenerateResponse(reserved=decode_pb2.Reserved(num_blocks=3, reservation_token=name))
             try:
                 await arrived.wait()
             finally:
@@ -111,7 +109,7 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillServiceServicer):
         first = self.script[params.num_prior_output_tokens]
         if params.max_tokens == 1:
             return prefill_pb2.PrefillResponse(first_token_id=first, finished=True, finish_reason="length")
-        PAGES_ARRIVED[request.decode_shm_name].set()
+        PAGES_ARRIVED[request.reservation_token].set()
         return prefill_pb2.PrefillResponse(first_token_id=first)
 
 
