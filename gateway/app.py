@@ -15,6 +15,7 @@ from pydantic.json_schema import models_json_schema
 from gateway.auth import ApiKeyMiddleware, document_api_keys
 from gateway.backend import GenerationBackend
 from gateway.errors import install_error_handlers
+from gateway.limits import BodySizeLimitMiddleware
 from gateway.protocol import ChatCompletionChunk, CompletionChunk
 from gateway.request_id import RequestIdMiddleware
 from gateway.routes import chat, completions, models
@@ -40,6 +41,8 @@ def create_app(settings: GatewaySettings, backend: GenerationBackend) -> FastAPI
 
     app = FastAPI(title="pdserve gateway", summary="OpenAI-compatible API of a pdserve cluster", lifespan=lifespan)
     install_error_handlers(app)
+    app.state.request_limits = settings  # the RequestLimitOptions the routes check
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
     # Inside RequestIdMiddleware, so that a 401 carries its x-request-id too.
     app.add_middleware(
         ApiKeyMiddleware, api_keys=settings.api_key, metrics_require_api_key=settings.metrics_require_api_key

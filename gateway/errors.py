@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.backend import BackendError, BackendErrorKind
 from gateway.protocol import ErrorDetail, ErrorResponse
@@ -64,8 +65,36 @@ def to_openai_error(exc: Exception, request: Request | None = None) -> tuple[int
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    for exc_class in (RequestValidationError, RequestError, BackendError, HTTPException, Exception):
+    for exc_class in (RequestValidationError, RequestError, BackendError, HTTPException):
         app.add_exception_handler(exc_class, _handle)
+    app.add_middleware(UnhandledErrorMiddleware)
+
+
+class UnhandledErrorMiddleware:
+    """Any other exception becomes a 500 OpenAI error here. Starlette's own catch-all re-raises after
+    its 500, which makes the server close the keep-alive connection; this one does not."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        response_started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal response_started
+            response_started = response_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if response_started:
+                raise  # too late for an error response: the server ends the connection
+            response = await _handle(Request(scope), exc)
+            await response(scope, receive, send)
 
 
 async def _handle(request: Request, exc: Exception) -> JSONResponse:

@@ -7,11 +7,33 @@ so that a client never silently gets something other than what it asked for.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
 MAX_LOGPROBS = 20  # SamplingParams' limit
+INT32_MAX = 2**31 - 1  # token ids, counts and lengths travel as protobuf int32
+INT64_MAX = 2**63 - 1  # the seed travels as protobuf int64
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's "\ud800" escapes; no UTF-8 encodes them
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
+
+
+def _check_text(value: Any) -> None:
+    """Raises ValueError if any string in a JSON value holds a lone surrogate (the tokenizer and
+    protobuf need valid UTF-8). NUL and other control characters are valid text and pass."""
+    if isinstance(value, str):
+        if _LONE_SURROGATE.search(value):
+            raise ValueError("the text holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid Unicode")
+    elif isinstance(value, list):
+        for item in value:
+            _check_text(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key)
+            _check_text(item)
 
 
 class StreamOptions(BaseModel):
@@ -24,20 +46,30 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Count | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="0 or -1 disables top-k (vLLM extension)")
-    seed: int | None = None
+    top_k: int | None = Field(
+        None, ge=-1, le=INT32_MAX, description="0 or -1 disables top-k, at most the vocabulary size (vLLM extension)"
+    )
+    seed: int | None = Field(None, ge=0, le=INT64_MAX, description="choice i samples with seed + i")
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(None, description="extra token ids that end the sequence (vLLM extension)")
+    stop_token_ids: list[TokenId] | None = Field(
+        None, description="extra token ids that end the sequence (vLLM extension)"
+    )
     ignore_eos: bool = Field(False, description="keep generating past EOS until max_tokens (vLLM extension)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        _check_text(value)
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -65,7 +97,7 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         description="a string, a list of strings, a list of token ids or a list of token id lists"
     )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="the N most likely alternatives per token")
@@ -109,7 +141,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
+    max_completion_tokens: Count | None = Field(None, description="preferred over max_tokens")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = Field(True, description="end the prompt with the assistant header (vLLM extension)")

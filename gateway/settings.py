@@ -12,6 +12,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from gateway.protocol import MAX_LOGPROBS
 from pdserve.cluster_state.registry import RedisOptions
 from pdserve.engine.model_loader import DEFAULT_MODEL, MODEL_HELP
 
@@ -59,6 +60,26 @@ class AdmissionOptions(BaseModel):
     admission_retry_after_s: int = Field(1, ge=1, description="the Retry-After a 429 from admission carries")
 
 
+class RequestLimitOptions(BaseModel):
+    """What one request may ask for; beyond a limit the gateway answers 413 (the body) or 400 naming the field."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_request_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="a larger request body gets 413, before it is read whole"
+    )
+    max_choices_per_request: int = Field(128, ge=1, description="prompts x n: generations one request may start")
+    max_stop_strings: int = Field(16, ge=0, description="stop strings one request may send")
+    max_stop_string_chars: int = Field(1024, ge=1, description="characters in one stop string")
+    max_stop_token_ids: int = Field(256, ge=0, description="stop_token_ids one request may send")
+    max_logprobs: int = Field(
+        MAX_LOGPROBS, ge=0, le=MAX_LOGPROBS, description="logprobs / top_logprobs: alternatives per token"
+    )
+    max_output_tokens: int | None = Field(
+        None, ge=1, description="max_tokens one choice may ask for; default: the rest of the model's context"
+    )
+
+
 class GatewayListenOptions(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -91,7 +112,15 @@ class ApiKeyOptions(BaseModel):
         return value
 
 
-class GatewaySettings(GatewayListenOptions, RouterOptions, AdmissionOptions, ApiKeyOptions, RedisOptions, BaseSettings):
+class GatewaySettings(
+    GatewayListenOptions,
+    RouterOptions,
+    AdmissionOptions,
+    ApiKeyOptions,
+    RequestLimitOptions,
+    RedisOptions,
+    BaseSettings,
+):
     model_config = SettingsConfigDict(env_prefix="PDSERVE_GATEWAY_", frozen=True)
 
     model: str = Field(DEFAULT_MODEL, description=MODEL_HELP)

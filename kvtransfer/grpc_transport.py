@@ -46,8 +46,8 @@ GRPC_OPTIONS = [
 PUSH_KV = "/pdserve.v1.KvTransferService/PushKv"
 COMMIT_KV = "/pdserve.v1.KvTransferService/CommitKv"
 RENEW_LEASES = "/pdserve.v1.KvTransferService/RenewLeases"
-
 GET_RESERVATION = "/pdserve.v1.KvTransferService/GetReservation"
+
 
 class GrpcKvSender(KvSender):
     """Keeps one channel per decode address."""
@@ -74,8 +74,6 @@ class GrpcKvSender(KvSender):
         if not response.ok:
             raise TransferError(response.error)
 
-    async def renew_leases(self, address: str, request_ids: list[str], timeout_s: float) -> LeaseRenewal:
-        renew = self._channel(address).unary_unary(
     async def get_reservation(self, address: str, token: str, timeout_s: float) -> KvDestination:
         get = self._channel(address).unary_unary(
             GET_RESERVATION,
@@ -89,6 +87,8 @@ class GrpcKvSender(KvSender):
         shm = (answer.shm_name, answer.host_id, answer.kv_layout)
         return KvDestination(address, tuple(answer.block_ids), *shm, num_cached_blocks=answer.num_cached_blocks)
 
+    async def renew_leases(self, address: str, request_ids: list[str], timeout_s: float) -> LeaseRenewal:
+        renew = self._channel(address).unary_unary(
             RENEW_LEASES,
             request_serializer=kv_transfer_pb2.RenewLeasesRequest.SerializeToString,
             response_deserializer=kv_transfer_pb2.RenewLeasesResponse.FromString,
@@ -162,11 +162,11 @@ class KvTransferServicer:
 
     def __init__(self, receiver: KvReceiver, shared_kv: tuple[str, str, str] = ("", "", "")) -> None:
         self.receiver = receiver
+        self.shared_kv = shared_kv
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Registers both methods; PushKv messages are decoded by page_codec (pages as views)."""
         respond = kv_transfer_pb2.PushKvResponse.SerializeToString
-        self.shared_kv = shared_kv
         handlers = {
             "PushKv": grpc.stream_unary_rpc_method_handler(
                 self.PushKv, request_deserializer=decode_request, response_serializer=respond
@@ -179,15 +179,15 @@ class KvTransferServicer:
                 request_deserializer=kv_transfer_pb2.RenewLeasesRequest.FromString,
                 response_serializer=kv_transfer_pb2.RenewLeasesResponse.SerializeToString,
             ),
-        }
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("pdserve.v1.KvTransferService", handlers),)
-        )
             "GetReservation": grpc.unary_unary_rpc_method_handler(
                 self.GetReservation,
                 request_deserializer=kv_transfer_pb2.GetReservationRequest.FromString,
                 response_serializer=kv_transfer_pb2.GetReservationResponse.SerializeToString,
             ),
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("pdserve.v1.KvTransferService", handlers),)
+        )
 
     async def PushKv(self, request_iterator, context) -> kv_transfer_pb2.PushKvResponse:
         try:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+import anyio
 from fastapi import APIRouter, Request, Response
 
 from gateway.dependencies import BackendDep, RequestIdDep, ServedModelDep
 from gateway.errors import RequestError
 from gateway.generation import ChoiceStream
+from gateway.limits import RequestLimitsDep, check_request_limits
 from gateway.logprobs import chat_logprobs
 from gateway.protocol import (
     AssistantMessage,
@@ -39,17 +41,29 @@ async def create_chat_completion(
     backend: BackendDep,
     served_model: ServedModelDep,
     request_id: RequestIdDep,
+    limits: RequestLimitsDep,
 ):
     check_model(served_model, body.model)
     tokenizer = served_model.tokenizer
-    prompt_token_ids = tokenize_messages(tokenizer, body)
+    requested_max_tokens = body.max_completion_tokens or body.max_tokens
+    check_request_limits(
+        body,
+        limits,
+        vocab_size=tokenizer.vocab_size,
+        num_prompts=1,
+        requested_max_tokens=requested_max_tokens,
+        logprobs=body.top_logprobs if body.logprobs else None,
+        logprobs_param="top_logprobs",
+    )
+    # A long conversation takes a while to render and tokenize: not on the event loop.
+    prompt_token_ids = await anyio.to_thread.run_sync(tokenize_messages, tokenizer, body)
     response_id = f"chatcmpl-{request_id}"
     specs = choice_specs(
         body,
         response_id,
         [prompt_token_ids],
-        requested_max_tokens=body.max_completion_tokens or body.max_tokens,
-        default_max_tokens=None,  # chat: up to the end of the context, as OpenAI does
+        requested_max_tokens=requested_max_tokens,
+        default_max_tokens=limits.max_output_tokens,  # None: up to the end of the context, as OpenAI does
         max_model_len=served_model.max_model_len,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         prompt_param="messages",

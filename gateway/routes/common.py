@@ -21,8 +21,12 @@ from pdserve.engine.request import TokenLogprob
 logger = logging.getLogger(__name__)
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "invalid request (bad field, context length exceeded)"},
+    400: {
+        "model": ErrorResponse,
+        "description": "invalid request (bad field, value out of range, request limit or context length exceeded)",
+    },
     404: {"model": ErrorResponse, "description": "unknown model"},
+    413: {"model": ErrorResponse, "description": "the body is larger than max_request_body_bytes"},
     429: {"model": ErrorResponse, "description": "every node is full; retry later"},
     503: {"model": ErrorResponse, "description": "no healthy node"},
 }

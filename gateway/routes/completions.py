@@ -6,11 +6,13 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 
+import anyio
 from fastapi import APIRouter, Request, Response
 
 from gateway.dependencies import BackendDep, RequestIdDep, ServedModelDep
 from gateway.errors import RequestError
 from gateway.generation import ChoiceStream
+from gateway.limits import RequestLimitsDep, check_request_limits
 from gateway.logprobs import completion_logprobs
 from gateway.protocol import CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse
 from gateway.responses import SSEResponse, run_unless_disconnected, sse_event
@@ -32,17 +34,28 @@ async def create_completion(
     backend: BackendDep,
     served_model: ServedModelDep,
     request_id: RequestIdDep,
+    limits: RequestLimitsDep,
 ):
     check_model(served_model, body.model)
     tokenizer = served_model.tokenizer
-    prompts = tokenize_prompts(tokenizer, body.prompt)
+    check_request_limits(
+        body,
+        limits,
+        vocab_size=tokenizer.vocab_size,
+        num_prompts=count_prompts(body.prompt),
+        requested_max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        logprobs_param="logprobs",
+    )
+    # A long prompt takes a while to tokenize: not on the event loop, which serves every other request.
+    prompts = await anyio.to_thread.run_sync(tokenize_prompts, tokenizer, body.prompt)
     response_id = f"cmpl-{request_id}"
     specs = choice_specs(
         body,
         response_id,
         prompts,
         requested_max_tokens=body.max_tokens,
-        default_max_tokens=DEFAULT_MAX_TOKENS,
+        default_max_tokens=min(DEFAULT_MAX_TOKENS, limits.max_output_tokens or DEFAULT_MAX_TOKENS),
         max_model_len=served_model.max_model_len,
         logprobs=body.logprobs,
         prompt_param="prompt",
@@ -65,6 +78,13 @@ async def create_completion(
     ]
     response.headers.update(stream.route_headers())
     return CompletionResponse(**header, choices=choices, usage=usage.usage())
+
+
+def count_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    """A string or one token id list is one prompt; otherwise each list entry is one."""
+    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+        return 1
+    return len(prompt)
 
 
 def tokenize_prompts(tokenizer: Tokenizer, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
