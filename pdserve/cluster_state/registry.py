@@ -23,6 +23,7 @@ Gateway side (`RegistryView`):
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -39,6 +40,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from pdserve.cluster_state.secret import sign_entry, verify_entry
 from pdserve.engine.scheduler import EngineLoad
 
 logger = logging.getLogger(__name__)
@@ -100,8 +102,11 @@ class NodeInfo(BaseModel):
     def key(self) -> str:
         return node_key(self.node_id)
 
-    def to_json(self) -> str:
-        return self.model_dump_json()
+    def to_json(self, secret: str | None = None) -> str:
+        """The entry as stored; signed with the cluster secret when there is one (secret.py)."""
+        if secret is None:
+            return self.model_dump_json()
+        return json.dumps(sign_entry(self.model_dump(mode="json"), secret), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, data: str | bytes) -> NodeInfo:
@@ -203,6 +208,7 @@ class NodeRegistration:
         interval_s: float = DEFAULT_INTERVAL_S,
         ttl_s: float = DEFAULT_TTL_S,
         stats_fn: Callable[[], NodeStats] = NodeStats,
+        secret: str | None = None,
     ):
         if ttl_s <= interval_s:
             raise ValueError(f"ttl_s ({ttl_s}) must exceed interval_s ({interval_s}), e.g. ttl_s = 3 * interval_s")
@@ -211,6 +217,7 @@ class NodeRegistration:
         self.ttl_s = ttl_s
         self._load_fn = load_fn
         self._stats_fn = stats_fn
+        self._secret = secret  # signs each entry: a gateway with the secret ignores unsigned ones
         self._client = redis_client(redis_url)
         self._failures = FailureStreak(f"heartbeat of node {node_info.node_id}")
         self._heartbeat = Periodic(self.beat, interval_s, f"heartbeat-{node_info.node_id}")
@@ -244,7 +251,7 @@ class NodeRegistration:
             info = self.node_info.model_copy(
                 update={"load": self._load_fn(), "stats": self._stats_fn(), "updated_at": time.time()}
             )
-            await self._client.set(info.key, info.to_json(), px=int(self.ttl_s * 1000))
+            await self._client.set(info.key, info.to_json(self._secret), px=int(self.ttl_s * 1000))
         except Exception as error:
             self._failures.failed(error)
             return False
@@ -261,15 +268,22 @@ class RegistryView:
     """The gateway's in-memory copy of the registry, refreshed in the background.
 
     `probe` checks nodes directly while Redis cannot vouch for them (see the module docstring);
-    without one, the last snapshot is kept whole through an outage."""
+    without one, the last snapshot is kept whole through an outage. With a `secret`, entries
+    whose signature does not verify are ignored: whoever can write to Redis cannot add a node."""
 
     def __init__(
-        self, redis_url: str, refresh_s: float = 0.5, ttl_s: float = DEFAULT_TTL_S, probe: NodeProbe | None = None
+        self,
+        redis_url: str,
+        refresh_s: float = 0.5,
+        ttl_s: float = DEFAULT_TTL_S,
+        probe: NodeProbe | None = None,
+        secret: str | None = None,
     ):
         self.refresh_s = refresh_s
         self.ttl_s = ttl_s
         self._client = redis_client(redis_url)
         self._probe = probe
+        self._secret = secret
         self._failures = FailureStreak("registry refresh")
         self._node_id_to_info: dict[str, NodeInfo] = {}
         self._bad_keys: set[bytes] = set()
@@ -334,9 +348,16 @@ class RegistryView:
         if value is None:  # expired between SCAN and MGET
             return None
         try:
-            return NodeInfo.from_json(value)
-        except pydantic.ValidationError as error:
-            if key not in self._bad_keys:  # warn once per key, not once per refresh
-                logger.warning("ignoring malformed registry entry %s: %s", key.decode(errors="replace"), error)
-                self._bad_keys.add(key)
+            entry = json.loads(value)
+            if self._secret is not None and not verify_entry(entry, self._secret):
+                self._ignore(key, "its signature does not verify with the cluster secret")
+                return None
+            return NodeInfo.model_validate(entry)
+        except (ValueError, pydantic.ValidationError) as error:  # JSONDecodeError is a ValueError
+            self._ignore(key, f"it is malformed: {error}")
             return None
+
+    def _ignore(self, key: bytes, reason: str) -> None:
+        if key not in self._bad_keys:  # warn once per key, not once per refresh
+            logger.warning("ignoring registry entry %s: %s", key.decode(errors="replace"), reason)
+            self._bad_keys.add(key)
