@@ -193,3 +193,30 @@ def test_a_renewal_names_the_requests_the_receiver_no_longer_holds():
     renewal = receiver.renew(["open", "failed", "forgotten", "done", "never-reserved"])
     assert renewal.released_request_ids == ["failed", "forgotten", "never-reserved"]
     assert renewal.lease_s == 2.5
+
+
+def test_a_shared_memory_commit_without_pages_is_refused_and_stale_kv_never_admitted():
+    shared = caches(fill=7.0)  # an earlier request's KV left in the blocks
+    receiver = KvReceiver(shared, in_shared_memory=True)
+    receiver.reserve("t", [1, 2])
+    assert all(bool(cache[[1, 2], 0].eq(0).all()) for layer in shared for cache in layer)  # first slots zeroed
+    with pytest.raises(TransferError, match="commit after 0"):
+        receiver.commit(KvCommit("t", 1, pages_in_shared_memory=True))
+    assert receiver.status("t") == TransferStatus.FAILED
+
+
+def test_a_shared_memory_commit_after_a_partial_write_is_refused():
+    shared = caches()
+    receiver = KvReceiver(shared, in_shared_memory=True)
+    receiver.reserve("t", [1, 2])
+    for layer in shared:
+        for cache in layer:
+            cache[1].fill_(3.0)  # block 2 never written
+    with pytest.raises(TransferError):
+        receiver.commit(KvCommit("t", 1, pages_in_shared_memory=True))
+    receiver.reserve("u", [1, 2])
+    for layer in shared:
+        for cache in layer:
+            cache[[1, 2]] = 3.0
+    receiver.commit(KvCommit("u", 1, pages_in_shared_memory=True))
+    assert receiver.status("u") == TransferStatus.DONE

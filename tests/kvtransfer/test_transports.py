@@ -4,13 +4,14 @@ path a prefill node takes: open_stream, send_layer per layer, commit."""
 from __future__ import annotations
 
 import asyncio
+from multiprocessing import shared_memory
 
 import grpc
 import pytest
 
 from kvtransfer.base import KvCommit, KvDestination, KvReceiver, TransferError, TransferStatus
 from kvtransfer.grpc_transport import GrpcKvSender, GrpcKvStream, KvTransferServicer
-from kvtransfer.shm_transport import SharedKvCache, ShmKvSender, host_id, kv_layout
+from kvtransfer.shm_transport import SEGMENT_PREFIX, SharedKvCache, ShmKvSender, host_id, kv_layout
 from tests.kvtransfer.test_receiver import assert_copied, caches, push_every_layer
 
 
@@ -184,3 +185,17 @@ def test_shared_memory_commit_is_refused_by_a_private_cache():
     receiver.reserve("r", [0])
     with pytest.raises(TransferError, match="commit after 0"):
         receiver.commit(KvCommit("r", 1, pages_in_shared_memory=True))
+
+
+def test_shared_memory_sender_attaches_to_no_segment_without_the_pdserve_prefix(shared_cache):
+    assert shared_cache.name.startswith(SEGMENT_PREFIX)
+    sender = ShmKvSender(require=True)
+    other = shared_memory.SharedMemory(create=True, size=4096)  # some other program's segment
+    try:
+        unrelated = KvDestination("127.0.0.1:1", (0,), other.name, host_id(), shared_cache.layout)
+        with pytest.raises(TransferError, match="no shared-memory"):
+            sender.open_stream(unrelated, caches(fill=1.0), "t")
+        assert bytes(other.buf[:16]) == bytes(16)
+    finally:
+        other.close()
+        other.unlink()

@@ -12,6 +12,8 @@ import grpc
 import pytest
 
 from pdserve.engine import SamplingParams
+from protos import prefill_pb2, prefill_pb2_grpc
+from protos.convert import sampling_params_to_proto
 from tests.decode_service.inprocess_pair import Pair, block_engine, run
 
 PROMPT, PARAMS = list(range(3, 40)), SamplingParams(max_tokens=4, ignore_eos=True)
@@ -109,6 +111,38 @@ def test_calls_cancelled_at_any_point_leave_both_nodes_idle(tiny_llama_path):
 
     async def scenario(pair: Pair):
         await asyncio.gather(*(one(pair, f"r{i}", rng.random() * 0.3) for i in range(24)))
+        assert await pair.is_idle()
+
+    run(tiny_llama_path, scenario)
+
+
+def test_a_prefill_names_no_blocks_and_a_forged_token_or_address_writes_nothing(tiny_llama_path):
+    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=4, temperature=0.0)
+
+    async def scenario(pair: Pair):
+        call = pair.generate("victim", prompt, params)
+        reserved = (await call.read()).reserved
+        assert len(reserved.reservation_token) >= 20  # random, not the request id
+        forged = [
+            ("decode", "victim"),  # the request id, as x-request-id shows it
+            ("decode", "guessed-token"),
+            ("elsewhere:1", reserved.reservation_token),  # an address that is no decode node here
+        ]
+        for address, token in forged:
+            request = prefill_pb2.PrefillRequest(
+                request_id="attack",
+                prompt_token_ids=prompt,
+                sampling_params=sampling_params_to_proto(params),
+                decode_address=address,
+                reservation_token=token,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await prefill_pb2_grpc.PrefillServiceStub(pair.channel).Prefill(request)
+            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert pair.sender.num_pages_sent == 0
+        await pair.prefill_call("victim", prompt, params, reserved)  # the real reservation is untouched
+        while await call.read() is not grpc.aio.EOF:
+            pass
         assert await pair.is_idle()
 
     run(tiny_llama_path, scenario)
