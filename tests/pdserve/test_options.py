@@ -98,8 +98,8 @@ def test_up_hands_its_gateway_the_keys_by_environment_not_argv(monkeypatch):
     monkeypatch.setattr("pdserve.launcher.run_up", lambda plan: plans.append(plan) or 0)
     run_cluster(parse(UpSettings, ["--api-key", "sk-a", "--api-key", "sk-b", "--metrics-require-api-key"]))
     (gateway,) = [spec for spec in plans[0].child_specs("redis://r:1/0") if spec.role == "gateway"]
-    assert dict(gateway.env) == {"PDSERVE_GATEWAY_API_KEY": "sk-a,sk-b"}
+    assert dict(gateway.env)["PDSERVE_GATEWAY_API_KEY"] == "sk-a,sk-b"
     assert "--metrics-require-api-key" in gateway.extra_args
     assert not any("sk-" in arg for arg in default_command(gateway))
-    monkeypatch.setenv("PDSERVE_GATEWAY_API_KEY", gateway.env[0][1])
+    monkeypatch.setenv("PDSERVE_GATEWAY_API_KEY", dict(gateway.env)["PDSERVE_GATEWAY_API_KEY"])
     assert parse(GatewaySettings, list(gateway.extra_args)).api_key == ["sk-a", "sk-b"]
