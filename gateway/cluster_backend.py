@@ -29,6 +29,7 @@ from gateway.failover import Attempt, FailoverPolicy, NodeCallError, ResumableRe
 from gateway.node_health import CHANNEL_OPTIONS
 from gateway.router import Route, Router
 from pdserve.cluster_state.registry import NodeInfo, RegistryView
+from pdserve.cluster_state.secret import client_interceptors
 from pdserve.engine.sampling_params import SamplingParams
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from protos.convert import logprob_from_proto, sampling_params_to_proto
@@ -43,15 +44,18 @@ CACHED_PROMPT_TOKENS = Counter(
 
 
 class ClusterBackend:
-    """Owns one gRPC channel per node address and the router's in-flight counts."""
+    """Owns one gRPC channel per node address and the router's in-flight counts; with a cluster
+    secret, every call on those channels carries it."""
 
     def __init__(
         self,
         registry: RegistryView,
         router: Router | None = None,
         failover: FailoverPolicy | None = None,
+        cluster_secret: str | None = None,
     ) -> None:
         self.registry = registry
+        self._interceptors = client_interceptors(cluster_secret)
         self.router = router or Router(registry)
         self.failover = failover or FailoverPolicy()
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -167,7 +171,9 @@ class ClusterBackend:
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
             # Short reconnect backoff: a node restarted on the same address is reachable again soon.
-            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = grpc.aio.insecure_channel(
+                address, options=CHANNEL_OPTIONS, interceptors=self._interceptors or None
+            )
         return self._channels[address]
 
     async def close(self) -> None:

@@ -51,12 +51,16 @@ async def serve_cluster_gateway(settings: GatewaySettings) -> None:
     admission control bounds the work it takes on. While Redis is away the view keeps the nodes
     that answer the health checker."""
     health_checker = NodeHealthChecker()
-    registry = RegistryView(settings.redis_url, probe=health_checker.answering)
+    # The health service is open (pdserve/cluster_state/secret.py): the checker needs no secret.
+    registry = RegistryView(settings.redis_url, probe=health_checker.answering, secret=settings.secret_value())
     await registry.start()
     kv_index = KvIndexReader(settings.redis_url)
     router = Router(registry, settings.router_policy, kv_index, settings.router_load_factor)
     backend = ClusterBackend(
-        registry, router, failover=FailoverPolicy(settings.router_max_attempts, settings.router_max_migrations)
+        registry,
+        router,
+        failover=FailoverPolicy(settings.router_max_attempts, settings.router_max_migrations),
+        cluster_secret=settings.secret_value(),
     )
     try:
         await serve_gateway(settings, AdmissionControl(backend, settings))

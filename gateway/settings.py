@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.protocol import MAX_LOGPROBS
 from pdserve.cluster_state.registry import RedisOptions
+from pdserve.cluster_state.secret import ClusterSecretOptions
 from pdserve.engine.model_loader import DEFAULT_MODEL, MODEL_HELP
 
 
@@ -119,6 +120,7 @@ class GatewaySettings(
     ApiKeyOptions,
     RequestLimitOptions,
     RedisOptions,
+    ClusterSecretOptions,
     BaseSettings,
 ):
     model_config = SettingsConfigDict(env_prefix="PDSERVE_GATEWAY_", frozen=True)

@@ -10,6 +10,7 @@ the receiver's reservations for prompts still waiting on the prefill node (kvtra
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import grpc
 
@@ -50,9 +51,10 @@ GET_RESERVATION = "/pdserve.v1.KvTransferService/GetReservation"
 
 
 class GrpcKvSender(KvSender):
-    """Keeps one channel per decode address."""
+    """Keeps one channel per decode address; `interceptors` go on each (the cluster secret's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
+        self._interceptors = list(interceptors)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> GrpcKvStream:
@@ -113,7 +115,9 @@ class GrpcKvSender(KvSender):
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = grpc.aio.insecure_channel(
+                address, options=GRPC_OPTIONS, interceptors=self._interceptors or None
+            )
         return self._channels[address]
 
     async def close(self) -> None:

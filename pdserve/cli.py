@@ -103,8 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_cluster(settings: UpSettings) -> int:
     from gateway.settings import AdmissionOptions, ApiKeyOptions, RouterOptions
+    from pdserve.cluster_state.secret import generate_secret
     from pdserve.launcher import LaunchPlan, run_up
 
+    # One secret per cluster unless given: internal calls and registry entries carry it (cluster_state/secret.py).
+    cluster_secret = settings.secret_value() or generate_secret()
+    api_key_env = (("PDSERVE_GATEWAY_API_KEY", ",".join(settings.api_key)),) if settings.api_key else ()
     plan = LaunchPlan(
         model=settings.model,
         host=settings.host,
@@ -117,8 +121,9 @@ def run_cluster(settings: UpSettings) -> int:
         # names the model, addresses and node ids itself).
         node_args=tuple(to_flags(settings, EngineOptions, KvTransferOptions, exclude={"model"})),
         gateway_args=tuple(to_flags(settings, RouterOptions, AdmissionOptions, ApiKeyOptions, exclude={"api_key"})),
-        # The keys go by environment, not argv, so that `ps` does not show them.
-        gateway_env=(("PDSERVE_GATEWAY_API_KEY", ",".join(settings.api_key)),) if settings.api_key else (),
+        # Keys and the secret go by environment, not argv, so that `ps` does not show them.
+        gateway_env=api_key_env + (("PDSERVE_GATEWAY_CLUSTER_SECRET", cluster_secret),),
+        node_env=(("PDSERVE_NODE_CLUSTER_SECRET", cluster_secret),),
         log_dir=settings.log_dir,
         ready_timeout_s=settings.ready_timeout_s,
     )

@@ -49,6 +49,7 @@ class LaunchPlan:
     prefill_args: tuple[str, ...] = ()  # appended after node_args for prefill nodes only
     gateway_args: tuple[str, ...] = ()  # appended to the gateway's command
     gateway_env: tuple[tuple[str, str], ...] = ()  # (name, value) added to the gateway's environment: secrets
+    node_env: tuple[tuple[str, str], ...] = ()  # (name, value) added to every node's environment: secrets
     ready_timeout_s: float = 300.0
     log_dir: str | None = None
     num_threads: int | None = None  # torch threads per node; None: the machine's cores split between the nodes
@@ -84,7 +85,7 @@ class LaunchPlan:
         num_nodes = 1 if self.colocated else self.num_prefill + self.num_decode
         num_threads = self.num_threads or threads_per_node(num_nodes)
         args = self.node_args + (self.prefill_args if role == "prefill" else ()) + tuple(flags)
-        return ChildSpec(name, role, self.model, NODE_HOST, port, redis_url, num_threads, args)
+        return ChildSpec(name, role, self.model, NODE_HOST, port, redis_url, num_threads, args, self.node_env)
 
 
 @dataclass(frozen=True)

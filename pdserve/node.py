@@ -16,6 +16,7 @@ Lifecycle of a node:
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 import socket
@@ -32,6 +33,7 @@ from kvtransfer.base import KvTransferStats
 from kvtransfer.grpc_transport import GRPC_OPTIONS
 from pdserve.cluster_state.kv_index import KvIndexPublisher
 from pdserve.cluster_state.registry import NodeCapacity, NodeInfo, NodeRegistration, NodeRole, NodeStats
+from pdserve.cluster_state.secret import ClusterSecretServerInterceptor
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.kv_cache import KvCacheStorage
 from pdserve.engine.llm_engine import LayerHook, LLMEngine
@@ -60,7 +62,7 @@ class NodeService(Protocol):
 
 def node_service(role: NodeRole, settings: NodeSettings) -> NodeService:
     if role == "prefill":
-        return PrefillNodeService(settings.kv_transport, settings.kv_lease_s)
+        return PrefillNodeService(settings.kv_transport, settings.kv_lease_s, settings.secret_value())
     colocated = role == "colocated"
     return DecodeNodeService(settings.kv_transport, settings.kv_lease_s, settings.max_reserve_wait_s, colocated)
 
@@ -107,6 +109,7 @@ async def _serve(role, settings: NodeSettings, service: NodeService, async_engin
         interval_s=settings.heartbeat_s,
         ttl_s=settings.ttl_s,
         stats_fn=lambda: _node_stats(async_engine.engine, service),
+        secret=settings.secret_value(),
     )
     await registration.start()
     kv_index = KvIndexPublisher(
@@ -127,8 +130,17 @@ async def _serve(role, settings: NodeSettings, service: NodeService, async_engin
 
 
 async def _start_grpc(settings: NodeSettings, service: NodeService, async_engine: AsyncEngine):
-    """The gRPC server with the role's servicers and the standard health service, SERVING."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    """The gRPC server with the role's servicers and the standard health service, SERVING; with a
+    cluster secret, every call but a health check needs it."""
+    secret = settings.secret_value()
+    if secret is None and not _is_loopback(settings.host):
+        logger.warning(
+            "serving gRPC on %s without a cluster secret: anyone who reaches the port can call the node; "
+            "give every node and the gateway the same --cluster-secret",
+            settings.host,
+        )
+    interceptors = [ClusterSecretServerInterceptor(secret)] if secret else []
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service.add_to_server(server, async_engine)
@@ -136,6 +148,13 @@ async def _start_grpc(settings: NodeSettings, service: NodeService, async_engine
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer, port
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _node_stats(engine: LLMEngine, service: NodeService) -> NodeStats:

@@ -25,6 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.settings import AdmissionOptions, ApiKeyOptions, GatewayListenOptions, RouterOptions
 from pdserve.cluster_state.registry import RedisOptions
+from pdserve.cluster_state.secret import ClusterSecretOptions
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.model_loader import DEFAULT_MODEL, MODEL_HELP
 from pdserve.engine.sampling_params import SamplingParams
@@ -83,7 +84,7 @@ class KvTransferOptions(BaseModel):
     )
 
 
-class NodeSettings(EngineOptions, KvTransferOptions, RedisOptions, BaseSettings):
+class NodeSettings(EngineOptions, KvTransferOptions, RedisOptions, ClusterSecretOptions, BaseSettings):
     """`pdserve prefill|decode|colocated`: one node."""
 
     model_config = SettingsConfigDict(env_prefix="PDSERVE_NODE_", frozen=True)
@@ -123,7 +124,14 @@ class GenerateSettings(EngineOptions, BaseSettings):
 
 
 class UpSettings(
-    GatewayListenOptions, RouterOptions, AdmissionOptions, ApiKeyOptions, EngineOptions, KvTransferOptions, BaseSettings
+    GatewayListenOptions,
+    RouterOptions,
+    AdmissionOptions,
+    ApiKeyOptions,
+    EngineOptions,
+    KvTransferOptions,
+    ClusterSecretOptions,
+    BaseSettings,
 ):
     """`pdserve up`: Redis, the nodes and the gateway on this machine. The engine and KV transfer
     options go to every node, the router, admission and API key options to the gateway."""

@@ -11,6 +11,7 @@ from kvtransfer.base import KvSender, KvTransferStats
 from kvtransfer.grpc_transport import GrpcKvSender
 from kvtransfer.lease_keeper import LeaseKeeper
 from kvtransfer.shm_transport import ShmKvSender
+from pdserve.cluster_state.secret import client_interceptors
 from pdserve.engine.async_engine import AsyncEngine
 from prefill_service.servicer import KvPushes, PrefillServicer
 from protos import prefill_pb2_grpc
@@ -21,9 +22,10 @@ class PrefillNodeService:
 
     kv_storage = None  # local memory
 
-    def __init__(self, kv_transport: str, kv_lease_s: float) -> None:
+    def __init__(self, kv_transport: str, kv_lease_s: float, cluster_secret: str | None = None) -> None:
         self.kv_transport = kv_transport  # auto | grpc | shm
         self.kv_lease_s = kv_lease_s  # until a decode node states its own lease period
+        self.cluster_secret = cluster_secret  # carried by every call to a decode node
         self.pushes = KvPushes()
         self.layer_hook = self.pushes.on_layer_computed
         self._sender: KvSender | None = None
@@ -31,7 +33,8 @@ class PrefillNodeService:
     def add_to_server(self, server: grpc.aio.Server, async_engine: AsyncEngine) -> None:
         # auto and shm: shared memory when the decode node shares this host, else the gRPC stream.
         grpc_only = self.kv_transport == "grpc"
-        self._sender = GrpcKvSender() if grpc_only else ShmKvSender(require=self.kv_transport == "shm")
+        grpc_sender = GrpcKvSender(client_interceptors(self.cluster_secret))
+        self._sender = grpc_sender if grpc_only else ShmKvSender(grpc_sender, require=self.kv_transport == "shm")
         leases = LeaseKeeper(self._sender, self.kv_lease_s)
         self._servicer = PrefillServicer(async_engine, self._sender, self.pushes, leases)
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self._servicer, server)
