@@ -9,7 +9,6 @@ A missing or wrong key gets 401 with the OpenAI error body (code `invalid_api_ke
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -95,16 +94,6 @@ def document_api_keys(schema: dict[str, Any]) -> None:
     _, error_schemas = models_json_schema([(ErrorResponse, "validation")], ref_template="#/components/schemas/{model}")
     for name, model_schema in error_schemas["$defs"].items():
         components.setdefault("schemas", {}).setdefault(name, model_schema)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps the gateway to this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        return False
 
 
 def _bearer_token(scope: Scope) -> str | None:

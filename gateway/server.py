@@ -9,7 +9,6 @@ import uvicorn
 
 from gateway.admission import AdmissionControl
 from gateway.app import create_app
-from gateway.auth import is_loopback
 from gateway.backend import GenerationBackend
 from gateway.cluster_backend import ClusterBackend
 from gateway.failover import FailoverPolicy
@@ -18,6 +17,7 @@ from gateway.router import Router
 from gateway.settings import GatewaySettings
 from pdserve.cluster_state.kv_index import KvIndexReader
 from pdserve.cluster_state.registry import RegistryView
+from pdserve.cluster_state.secret import is_loopback
 
 logger = logging.getLogger(__name__)
 

@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_cluster(settings: UpSettings) -> int:
-    from gateway.settings import AdmissionOptions, ApiKeyOptions, RouterOptions
+    from gateway.settings import AdmissionOptions, ApiKeyOptions, RequestLimitOptions, RouterOptions
     from pdserve.cluster_state.secret import generate_secret
     from pdserve.launcher import LaunchPlan, run_up
 
@@ -120,7 +120,9 @@ def run_cluster(settings: UpSettings) -> int:
         # Every node gets the engine and transfer options, the gateway the router and admission ones (the launcher
         # names the model, addresses and node ids itself).
         node_args=tuple(to_flags(settings, EngineOptions, KvTransferOptions, exclude={"model"})),
-        gateway_args=tuple(to_flags(settings, RouterOptions, AdmissionOptions, ApiKeyOptions, exclude={"api_key"})),
+        gateway_args=tuple(
+            to_flags(settings, RouterOptions, AdmissionOptions, RequestLimitOptions, ApiKeyOptions, exclude={"api_key"})
+        ),
         # Keys and the secret go by environment, not argv, so that `ps` does not show them.
         gateway_env=api_key_env + (("PDSERVE_GATEWAY_CLUSTER_SECRET", cluster_secret),),
         node_env=(("PDSERVE_NODE_CLUSTER_SECRET", cluster_secret),),

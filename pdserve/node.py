@@ -16,7 +16,6 @@ Lifecycle of a node:
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import signal
 import socket
@@ -33,7 +32,7 @@ from kvtransfer.base import KvTransferStats
 from kvtransfer.grpc_transport import GRPC_OPTIONS
 from pdserve.cluster_state.kv_index import KvIndexPublisher
 from pdserve.cluster_state.registry import NodeCapacity, NodeInfo, NodeRegistration, NodeRole, NodeStats
-from pdserve.cluster_state.secret import ClusterSecretServerInterceptor
+from pdserve.cluster_state.secret import ClusterSecretServerInterceptor, is_loopback
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.kv_cache import KvCacheStorage
 from pdserve.engine.llm_engine import LayerHook, LLMEngine
@@ -133,7 +132,7 @@ async def _start_grpc(settings: NodeSettings, service: NodeService, async_engine
     """The gRPC server with the role's servicers and the standard health service, SERVING; with a
     cluster secret, every call but a health check needs it."""
     secret = settings.secret_value()
-    if secret is None and not _is_loopback(settings.host):
+    if secret is None and not is_loopback(settings.host):
         logger.warning(
             "serving gRPC on %s without a cluster secret: anyone who reaches the port can call the node; "
             "give every node and the gateway the same --cluster-secret",
@@ -148,13 +147,6 @@ async def _start_grpc(settings: NodeSettings, service: NodeService, async_engine
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer, port
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _node_stats(engine: LLMEngine, service: NodeService) -> NodeStats:

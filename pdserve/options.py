@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gateway.settings import AdmissionOptions, ApiKeyOptions, GatewayListenOptions, RouterOptions
+from gateway.settings import AdmissionOptions, ApiKeyOptions, GatewayListenOptions, RequestLimitOptions, RouterOptions
 from pdserve.cluster_state.registry import RedisOptions
 from pdserve.cluster_state.secret import ClusterSecretOptions
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -127,6 +127,7 @@ class UpSettings(
     GatewayListenOptions,
     RouterOptions,
     AdmissionOptions,
+    RequestLimitOptions,
     ApiKeyOptions,
     EngineOptions,
     KvTransferOptions,
@@ -134,7 +135,8 @@ class UpSettings(
     BaseSettings,
 ):
     """`pdserve up`: Redis, the nodes and the gateway on this machine. The engine and KV transfer
-    options go to every node, the router, admission and API key options to the gateway."""
+    options go to every node, the router, admission, request limit and API key options to the
+    gateway."""
 
     model_config = SettingsConfigDict(env_prefix="PDSERVE_UP_", frozen=True)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import secrets
 
@@ -158,3 +159,13 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(_refuse_stream, **codec)
     return grpc.unary_unary_rpc_method_handler(_refuse, **codec)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a server (the gateway, a node) to this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False

@@ -11,9 +11,10 @@ from fastapi.testclient import TestClient
 
 from gateway import app as gateway_app
 from gateway.app import create_app
-from gateway.auth import ApiKeyChecker, is_loopback
+from gateway.auth import ApiKeyChecker
 from gateway.server import uvicorn_config
 from gateway.settings import GatewaySettings
+from pdserve.cluster_state.secret import is_loopback
 from tests.gateway.fakes import DEFAULT_TEXT
 
 KEYS = ["sk-first", "sk-second"]
