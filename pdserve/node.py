@@ -61,7 +61,9 @@ class NodeService(Protocol):
 
 def node_service(role: NodeRole, settings: NodeSettings) -> NodeService:
     if role == "prefill":
-        return PrefillNodeService(settings.kv_transport, settings.kv_lease_s, settings.secret_value())
+        return PrefillNodeService(
+            settings.kv_transport, settings.kv_lease_s, settings.secret_value(), settings.redis_url
+        )
     colocated = role == "colocated"
     return DecodeNodeService(settings.kv_transport, settings.kv_lease_s, settings.max_reserve_wait_s, colocated)
 

@@ -11,10 +11,35 @@ from kvtransfer.base import KvSender, KvTransferStats
 from kvtransfer.grpc_transport import GrpcKvSender
 from kvtransfer.lease_keeper import LeaseKeeper
 from kvtransfer.shm_transport import ShmKvSender
+from pdserve.cluster_state.registry import RegistryView
 from pdserve.cluster_state.secret import client_interceptors
 from pdserve.engine.async_engine import AsyncEngine
 from prefill_service.servicer import KvPushes, PrefillServicer
 from protos import prefill_pb2_grpc
+
+
+class RegisteredDecodeNodes:
+    """Implements prefill_service.servicer.DecodeNodeDirectory over the registry (signed entries
+    only, with a cluster secret). Started on first use; an address not in the snapshot is looked
+    up again once (a decode node that registered since the last refresh)."""
+
+    def __init__(self, redis_url: str, cluster_secret: str | None) -> None:
+        self.view = RegistryView(redis_url, secret=cluster_secret)
+        self._started = False
+
+    async def is_decode_node(self, address: str) -> bool:
+        if not self._started:
+            self._started = True
+            await self.view.start()
+        if not self._known(address):
+            await self.view.refresh()
+        return self._known(address)
+
+    def _known(self, address: str) -> bool:
+        return any(node.address == address for node in self.view.nodes("decode"))
+
+    async def close(self) -> None:
+        await self.view.stop()
 
 
 class PrefillNodeService:
@@ -22,10 +47,14 @@ class PrefillNodeService:
 
     kv_storage = None  # local memory
 
-    def __init__(self, kv_transport: str, kv_lease_s: float, cluster_secret: str | None = None) -> None:
+    def __init__(
+        self, kv_transport: str, kv_lease_s: float, cluster_secret: str | None = None, redis_url: str | None = None
+    ) -> None:
         self.kv_transport = kv_transport  # auto | grpc | shm
         self.kv_lease_s = kv_lease_s  # until a decode node states its own lease period
         self.cluster_secret = cluster_secret  # carried by every call to a decode node
+        # The decode nodes it may dial: those registered in the cluster's Redis.
+        self.decode_nodes = RegisteredDecodeNodes(redis_url, cluster_secret) if redis_url else None
         self.pushes = KvPushes()
         self.layer_hook = self.pushes.on_layer_computed
         self._sender: KvSender | None = None
@@ -36,7 +65,7 @@ class PrefillNodeService:
         grpc_sender = GrpcKvSender(client_interceptors(self.cluster_secret))
         self._sender = grpc_sender if grpc_only else ShmKvSender(grpc_sender, require=self.kv_transport == "shm")
         leases = LeaseKeeper(self._sender, self.kv_lease_s)
-        self._servicer = PrefillServicer(async_engine, self._sender, self.pushes, leases)
+        self._servicer = PrefillServicer(async_engine, self._sender, self.pushes, leases, self.decode_nodes)
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self._servicer, server)
 
     def kv_transfer_stats(self) -> KvTransferStats:
@@ -44,3 +73,5 @@ class PrefillNodeService:
 
     async def close(self) -> None:
         await self._servicer.close()
+        if self.decode_nodes is not None:
+            await self.decode_nodes.close()

@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+from typing import Protocol
 
 import grpc
 
@@ -108,17 +109,31 @@ class KvPushes:
                 logger.exception("sending layer %d of %s failed", layer, prompt.request_id)
 
 
+class DecodeNodeDirectory(Protocol):
+    """Which addresses are decode nodes of this cluster (prefill_service/server.py reads the signed
+    registry): a Prefill naming any other address is refused before anything dials it."""
+
+    async def is_decode_node(self, address: str) -> bool: ...
+
+
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     """Serves Prefill calls; the engine must have been built with `pushes.on_layer_computed` as
-    its layer hook, so that pages leave as each layer is computed."""
+    its layer hook, so that pages leave as each layer is computed. With `decode_nodes`, only
+    addresses it vouches for are dialed."""
 
     def __init__(
-        self, async_engine: AsyncEngine, sender: KvSender, pushes: KvPushes, leases: LeaseKeeper | None = None
+        self,
+        async_engine: AsyncEngine,
+        sender: KvSender,
+        pushes: KvPushes,
+        leases: LeaseKeeper | None = None,
+        decode_nodes: DecodeNodeDirectory | None = None,
     ) -> None:
         self.async_engine = async_engine
         self.sender = sender
         self.pushes = pushes
         self.leases = leases or LeaseKeeper(sender)
+        self.decode_nodes = decode_nodes
         self.kv_caches = async_engine.engine.kv_caches
         self.eos_token_ids = async_engine.engine.eos_token_ids
         self._commits: set[asyncio.Task] = set()
@@ -131,6 +146,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         token = request.reservation_token  # the transfer's name at the decode node, not the request id
+        if self.decode_nodes is not None and not await self.decode_nodes.is_decode_node(request.decode_address):
+            # Dialing it would hand an arbitrary socket this node's calls (and its cluster secret).
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "decode_address is not a registered decode node")
         try:
             destination = await self.sender.get_reservation(request.decode_address, token, GET_RESERVATION_TIMEOUT_S)
             stream = self.sender.open_stream(destination, self.kv_caches, token)

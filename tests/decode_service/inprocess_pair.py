@@ -71,7 +71,7 @@ def engine_for(path, layer_hook=None) -> AsyncEngine:
     return AsyncEngine(LLMEngine(config, layer_hook=layer_hook))
 
 
-async def serve(path, lease_s: float = DEFAULT_LEASE_S, max_reserve_wait_s: float = 5.0) -> Pair:
+async def serve(path, lease_s: float = DEFAULT_LEASE_S, max_reserve_wait_s: float = 5.0, decode_nodes=None) -> Pair:
     pushes = KvPushes()
     decode, prefill = engine_for(path), engine_for(path, pushes.on_layer_computed)
     decode.start()
@@ -80,7 +80,7 @@ async def serve(path, lease_s: float = DEFAULT_LEASE_S, max_reserve_wait_s: floa
     server = grpc.aio.server()
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(decode, receiver, max_reserve_wait_s), server)
     sender = FakeKvSender({"decode": receiver})
-    prefill_servicer = PrefillServicer(prefill, sender, pushes, LeaseKeeper(sender, lease_s))
+    prefill_servicer = PrefillServicer(prefill, sender, pushes, LeaseKeeper(sender, lease_s), decode_nodes)
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -146,3 +146,39 @@ def test_a_prefill_names_no_blocks_and_a_forged_token_or_address_writes_nothing(
         assert await pair.is_idle()
 
     run(tiny_llama_path, scenario)
+
+
+class KnownDecodeNodes:
+    """A DecodeNodeDirectory over a fixed set of addresses, recording what it was asked."""
+
+    def __init__(self, addresses: set[str]) -> None:
+        self.addresses, self.asked = addresses, []
+
+    async def is_decode_node(self, address: str) -> bool:
+        self.asked.append(address)
+        return address in self.addresses
+
+
+def test_a_prefill_naming_an_unregistered_decode_address_is_refused_before_anything_dials_it(tiny_llama_path):
+    directory = KnownDecodeNodes({"decode"})
+
+    async def scenario(pair: Pair):
+        call, reserved = await reserve(pair, "victim")
+        request = prefill_pb2.PrefillRequest(
+            request_id="attack",
+            prompt_token_ids=PROMPT,
+            sampling_params=sampling_params_to_proto(PARAMS),
+            decode_address="127.0.0.1:9",  # any socket the caller likes
+            reservation_token=reserved.reservation_token,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await prefill_pb2_grpc.PrefillServiceStub(pair.channel).Prefill(request)
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "not a registered decode node" in error.value.details()
+        await pair.prefill_call("victim", PROMPT, PARAMS, reserved)  # a registered one goes through
+        while await call.read() is not grpc.aio.EOF:
+            pass
+        assert directory.asked == ["127.0.0.1:9", "decode"]
+        assert await pair.is_idle()
+
+    run(tiny_llama_path, scenario, decode_nodes=directory)
