@@ -33,6 +33,7 @@ from pdserve.cluster_state.secret import client_interceptors
 from pdserve.engine.sampling_params import SamplingParams
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from protos.convert import logprob_from_proto, sampling_params_to_proto
+from protos.tls import open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ CACHED_PROMPT_TOKENS = Counter(
 
 class ClusterBackend:
     """Owns one gRPC channel per node address and the router's in-flight counts; with a cluster
-    secret, every call on those channels carries it."""
+    secret, every call on those channels carries it, and with `credentials` they are TLS."""
 
     def __init__(
         self,
@@ -53,9 +54,11 @@ class ClusterBackend:
         router: Router | None = None,
         failover: FailoverPolicy | None = None,
         cluster_secret: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.registry = registry
         self._interceptors = client_interceptors(cluster_secret)
+        self._credentials = credentials
         self.router = router or Router(registry)
         self.failover = failover or FailoverPolicy()
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -171,9 +174,7 @@ class ClusterBackend:
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
             # Short reconnect backoff: a node restarted on the same address is reachable again soon.
-            self._channels[address] = grpc.aio.insecure_channel(
-                address, options=CHANNEL_OPTIONS, interceptors=self._interceptors or None
-            )
+            self._channels[address] = open_channel(address, self._credentials, CHANNEL_OPTIONS, self._interceptors)
         return self._channels[address]
 
     async def close(self) -> None:

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster_state.registry import NodeInfo
+from protos.tls import open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +30,17 @@ CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconn
 
 
 class NodeHealthChecker:
-    """Checks nodes over gRPC; mutates only its channels and its count of failures per node."""
+    """Checks nodes over gRPC (TLS with `credentials`); mutates only its channels and its count of
+    failures per node."""
 
-    def __init__(self, timeout_s: float = 1.0, max_failures: int = 2) -> None:
+    def __init__(
+        self, timeout_s: float = 1.0, max_failures: int = 2, credentials: grpc.ChannelCredentials | None = None
+    ) -> None:
         if max_failures < 1:
             raise ValueError(f"max_failures must be at least 1, got {max_failures}")
         self.timeout_s = timeout_s
         self.max_failures = max_failures
+        self._credentials = credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._node_id_to_failures: Counter[str] = Counter()
 
@@ -62,7 +67,7 @@ class NodeHealthChecker:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = open_channel(address, self._credentials, CHANNEL_OPTIONS)
         return self._channels[address]
 
     async def close(self) -> None:

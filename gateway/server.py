@@ -50,7 +50,8 @@ async def serve_cluster_gateway(settings: GatewaySettings) -> None:
     the registry view, the KV index reader and the router feed the cluster backend, and
     admission control bounds the work it takes on. While Redis is away the view keeps the nodes
     that answer the health checker."""
-    health_checker = NodeHealthChecker()
+    credentials = settings.channel_credentials()  # None without TLS
+    health_checker = NodeHealthChecker(credentials=credentials)
     # The health service is open (pdserve/cluster_state/secret.py): the checker needs no secret.
     registry = RegistryView(settings.redis_url, probe=health_checker.answering, secret=settings.secret_value())
     await registry.start()
@@ -61,6 +62,7 @@ async def serve_cluster_gateway(settings: GatewaySettings) -> None:
         router,
         failover=FailoverPolicy(settings.router_max_attempts, settings.router_max_migrations),
         cluster_secret=settings.secret_value(),
+        credentials=credentials,
     )
     try:
         await serve_gateway(settings, AdmissionControl(backend, settings))

@@ -16,6 +16,7 @@ from gateway.protocol import MAX_LOGPROBS
 from pdserve.cluster_state.registry import RedisOptions
 from pdserve.cluster_state.secret import ClusterSecretOptions
 from pdserve.engine.model_loader import DEFAULT_MODEL, MODEL_HELP
+from protos.tls import GrpcTlsOptions
 
 
 class RoutingPolicy(enum.StrEnum):
@@ -121,6 +122,7 @@ class GatewaySettings(
     RequestLimitOptions,
     RedisOptions,
     ClusterSecretOptions,
+    GrpcTlsOptions,
     BaseSettings,
 ):
     model_config = SettingsConfigDict(env_prefix="PDSERVE_GATEWAY_", frozen=True)

@@ -33,6 +33,7 @@ from kvtransfer.page_codec import (
     encode_pages,
 )
 from protos import kv_transfer_pb2
+from protos.tls import open_channel
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 8 << 20),
@@ -51,10 +52,16 @@ GET_RESERVATION = "/pdserve.v1.KvTransferService/GetReservation"
 
 
 class GrpcKvSender(KvSender):
-    """Keeps one channel per decode address; `interceptors` go on each (the cluster secret's)."""
+    """Keeps one channel per decode address; `interceptors` go on each (the cluster secret's), and
+    with `credentials` each is TLS (protos/tls.py)."""
 
-    def __init__(self, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
+    def __init__(
+        self,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self._interceptors = list(interceptors)
+        self._credentials = credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> GrpcKvStream:
@@ -115,9 +122,7 @@ class GrpcKvSender(KvSender):
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(
-                address, options=GRPC_OPTIONS, interceptors=self._interceptors or None
-            )
+            self._channels[address] = open_channel(address, self._credentials, GRPC_OPTIONS, self._interceptors)
         return self._channels[address]
 
     async def close(self) -> None:

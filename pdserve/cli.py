@@ -105,6 +105,7 @@ def run_cluster(settings: UpSettings) -> int:
     from gateway.settings import AdmissionOptions, ApiKeyOptions, RequestLimitOptions, RouterOptions
     from pdserve.cluster_state.secret import generate_secret
     from pdserve.launcher import LaunchPlan, run_up
+    from protos.tls import GrpcTlsOptions
 
     # One secret per cluster unless given: internal calls and registry entries carry it (cluster_state/secret.py).
     cluster_secret = settings.secret_value() or generate_secret()
@@ -117,11 +118,19 @@ def run_cluster(settings: UpSettings) -> int:
         num_decode=settings.decode,
         redis_url=settings.redis_url,
         colocated=settings.colocated,
-        # Every node gets the engine and transfer options, the gateway the router and admission ones (the launcher
-        # names the model, addresses and node ids itself).
-        node_args=tuple(to_flags(settings, EngineOptions, KvTransferOptions, exclude={"model"})),
+        # Every node gets the engine and transfer options, the gateway the router and admission ones, all of them the
+        # gRPC TLS paths (the launcher names the model, addresses and node ids itself).
+        node_args=tuple(to_flags(settings, EngineOptions, KvTransferOptions, GrpcTlsOptions, exclude={"model"})),
         gateway_args=tuple(
-            to_flags(settings, RouterOptions, AdmissionOptions, RequestLimitOptions, ApiKeyOptions, exclude={"api_key"})
+            to_flags(
+                settings,
+                RouterOptions,
+                AdmissionOptions,
+                RequestLimitOptions,
+                ApiKeyOptions,
+                GrpcTlsOptions,
+                exclude={"api_key"},
+            )
         ),
         # Keys and the secret go by environment, not argv, so that `ps` does not show them.
         gateway_env=api_key_env + (("PDSERVE_GATEWAY_CLUSTER_SECRET", cluster_secret),),

@@ -62,7 +62,11 @@ class NodeService(Protocol):
 def node_service(role: NodeRole, settings: NodeSettings) -> NodeService:
     if role == "prefill":
         return PrefillNodeService(
-            settings.kv_transport, settings.kv_lease_s, settings.secret_value(), settings.redis_url
+            settings.kv_transport,
+            settings.kv_lease_s,
+            settings.secret_value(),
+            settings.redis_url,
+            settings.channel_credentials(),
         )
     colocated = role == "colocated"
     return DecodeNodeService(settings.kv_transport, settings.kv_lease_s, settings.max_reserve_wait_s, colocated)
@@ -132,7 +136,7 @@ async def _serve(role, settings: NodeSettings, service: NodeService, async_engin
 
 async def _start_grpc(settings: NodeSettings, service: NodeService, async_engine: AsyncEngine):
     """The gRPC server with the role's servicers and the standard health service, SERVING; with a
-    cluster secret, every call but a health check needs it."""
+    cluster secret, every call but a health check needs it; with TLS options, it serves TLS only."""
     secret = settings.secret_value()
     if secret is None and not is_loopback(settings.host):
         logger.warning(
@@ -145,7 +149,8 @@ async def _start_grpc(settings: NodeSettings, service: NodeService, async_engine
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service.add_to_server(server, async_engine)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address, credentials = f"{settings.host}:{settings.port}", settings.server_credentials()
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer, port

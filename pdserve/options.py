@@ -29,6 +29,7 @@ from pdserve.cluster_state.secret import ClusterSecretOptions
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.model_loader import DEFAULT_MODEL, MODEL_HELP
 from pdserve.engine.sampling_params import SamplingParams
+from protos.tls import GrpcTlsOptions
 
 GIB = 1 << 30
 
@@ -84,7 +85,7 @@ class KvTransferOptions(BaseModel):
     )
 
 
-class NodeSettings(EngineOptions, KvTransferOptions, RedisOptions, ClusterSecretOptions, BaseSettings):
+class NodeSettings(EngineOptions, KvTransferOptions, RedisOptions, ClusterSecretOptions, GrpcTlsOptions, BaseSettings):
     """`pdserve prefill|decode|colocated`: one node."""
 
     model_config = SettingsConfigDict(env_prefix="PDSERVE_NODE_", frozen=True)
@@ -132,11 +133,12 @@ class UpSettings(
     EngineOptions,
     KvTransferOptions,
     ClusterSecretOptions,
+    GrpcTlsOptions,
     BaseSettings,
 ):
     """`pdserve up`: Redis, the nodes and the gateway on this machine. The engine and KV transfer
     options go to every node, the router, admission, request limit and API key options to the
-    gateway."""
+    gateway, the gRPC TLS paths to all."""
 
     model_config = SettingsConfigDict(env_prefix="PDSERVE_UP_", frozen=True)
 

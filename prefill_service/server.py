@@ -48,11 +48,17 @@ class PrefillNodeService:
     kv_storage = None  # local memory
 
     def __init__(
-        self, kv_transport: str, kv_lease_s: float, cluster_secret: str | None = None, redis_url: str | None = None
+        self,
+        kv_transport: str,
+        kv_lease_s: float,
+        cluster_secret: str | None = None,
+        redis_url: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.kv_transport = kv_transport  # auto | grpc | shm
         self.kv_lease_s = kv_lease_s  # until a decode node states its own lease period
         self.cluster_secret = cluster_secret  # carried by every call to a decode node
+        self.credentials = credentials  # TLS to decode nodes; None: plaintext
         # The decode nodes it may dial: those registered in the cluster's Redis.
         self.decode_nodes = RegisteredDecodeNodes(redis_url, cluster_secret) if redis_url else None
         self.pushes = KvPushes()
@@ -62,7 +68,7 @@ class PrefillNodeService:
     def add_to_server(self, server: grpc.aio.Server, async_engine: AsyncEngine) -> None:
         # auto and shm: shared memory when the decode node shares this host, else the gRPC stream.
         grpc_only = self.kv_transport == "grpc"
-        grpc_sender = GrpcKvSender(client_interceptors(self.cluster_secret))
+        grpc_sender = GrpcKvSender(client_interceptors(self.cluster_secret), self.credentials)
         self._sender = grpc_sender if grpc_only else ShmKvSender(grpc_sender, require=self.kv_transport == "shm")
         leases = LeaseKeeper(self._sender, self.kv_lease_s)
         self._servicer = PrefillServicer(async_engine, self._sender, self.pushes, leases, self.decode_nodes)

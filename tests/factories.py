@@ -100,3 +100,24 @@ def build_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
         if (source / name).exists():
             shutil.copy(source / name, folder / name)
     return folder
+
+
+def build_test_certificates(folder: Path, ca_name: str = "test-ca") -> dict[str, str]:
+    """A throwaway CA and one certificate it signed for 127.0.0.1 and localhost, made with the
+    openssl CLI: {"ca": ..., "cert": ..., "key": ...}, PEM file paths in `folder`."""
+    import subprocess
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ca, ca_key, cert, key, csr = (str(folder / name) for name in ("ca.pem", "ca.key", "cert.pem", "cert.key", "csr"))
+    extensions = folder / "san.cnf"
+    extensions.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    commands = [
+        ["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "1", "-subj", f"/CN={ca_name}"],
+        ["req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=localhost"],
+        ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "1", "-out", cert]
+        + ["-extfile", str(extensions)],
+    ]
+    for command in commands:
+        subprocess.run(["openssl", *command], check=True, capture_output=True)
+    return {"ca": ca, "cert": cert, "key": key}

@@ -12,7 +12,7 @@ children through the environment). With it:
              without the signature, keys sorted); the gateway ignores entries that do not verify.
 
 Without a secret everything stays open, as for a single user on one machine. The secret travels
-in clear text over gRPC without TLS: across hosts, keep the nodes' network private.
+in clear text over gRPC without TLS (protos/tls.py): across hosts, give the cluster TLS too.
 """
 
 from __future__ import annotations

@@ -103,3 +103,15 @@ def test_up_hands_its_gateway_the_keys_by_environment_not_argv(monkeypatch):
     assert not any("sk-" in arg for arg in default_command(gateway))
     monkeypatch.setenv("PDSERVE_GATEWAY_API_KEY", dict(gateway.env)["PDSERVE_GATEWAY_API_KEY"])
     assert parse(GatewaySettings, list(gateway.extra_args)).api_key == ["sk-a", "sk-b"]
+
+
+def test_up_hands_the_grpc_tls_paths_to_every_node_and_the_gateway(monkeypatch):
+    plans = []
+    monkeypatch.setattr("pdserve.launcher.run_up", lambda plan: plans.append(plan) or 0)
+    tls_flags = ["--grpc-tls-cert", "/c.pem", "--grpc-tls-key", "/k.pem", "--grpc-tls-ca", "/ca.pem"]
+    run_cluster(parse(UpSettings, tls_flags))
+    specs = plans[0].child_specs("redis://r:1/0")
+    assert {spec.role for spec in specs} == {"gateway", "prefill", "decode"}
+    for spec in specs:
+        settings = parse(GatewaySettings if spec.role == "gateway" else NodeSettings, list(spec.extra_args))
+        assert (settings.grpc_tls_cert, settings.grpc_tls_key, settings.grpc_tls_ca) == ("/c.pem", "/k.pem", "/ca.pem")
