@@ -104,20 +104,37 @@ def build_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
 
 def build_test_certificates(folder: Path, ca_name: str = "test-ca") -> dict[str, str]:
     """A throwaway CA and one certificate it signed for 127.0.0.1 and localhost, made with the
-    openssl CLI: {"ca": ..., "cert": ..., "key": ...}, PEM file paths in `folder`."""
-    import subprocess
+    `cryptography` package (a test dependency): {"ca": ..., "cert": ..., "key": ...}, PEM paths."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def name(common_name: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+    def signed(subject_key, subject: str, issuer_key, issuer: str, extensions) -> x509.Certificate:
+        now = datetime.datetime.now(datetime.UTC)
+        builder = x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
+        builder = builder.public_key(subject_key.public_key()).serial_number(x509.random_serial_number())
+        builder = builder.not_valid_before(now - datetime.timedelta(minutes=5))
+        builder = builder.not_valid_after(now + datetime.timedelta(days=1))
+        for extension, critical in extensions:
+            builder = builder.add_extension(extension, critical=critical)
+        return builder.sign(issuer_key, hashes.SHA256())
 
     folder.mkdir(parents=True, exist_ok=True)
-    ca, ca_key, cert, key, csr = (str(folder / name) for name in ("ca.pem", "ca.key", "cert.pem", "cert.key", "csr"))
-    extensions = folder / "san.cnf"
-    extensions.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    commands = [
-        ["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "1", "-subj", f"/CN={ca_name}"],
-        ["req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=localhost"],
-        ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "1", "-out", cert]
-        + ["-extfile", str(extensions)],
-    ]
-    for command in commands:
-        subprocess.run(["openssl", *command], check=True, capture_output=True)
-    return {"ca": ca, "cert": cert, "key": key}
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_cert = signed(ca_key, ca_name, ca_key, ca_name, [(x509.BasicConstraints(ca=True, path_length=None), True)])
+    san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")])
+    cert = signed(key, "localhost", ca_key, ca_name, [(san, False)])
+    paths = {"ca": folder / "ca.pem", "cert": folder / "cert.pem", "key": folder / "cert.key"}
+    paths["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths["key"].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return {kind: str(path) for kind, path in paths.items()}
