@@ -29,20 +29,22 @@ from kvtransfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvTransferServ
 from kvtransfer.shm_transport import SharedKvCache, ShmKvSender, host_id
 from pdserve.engine.kv_cache import allocate_kv_caches
 
+RESERVATION_TIMEOUT_S = 10.0
 LAYOUT = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
 
 
 class _ReservingReceiver(KvReceiver):
-    """Benchmark receiver: reserves the same blocks for every request id it is sent."""
+    """Benchmark receiver: the first GetReservation of a token reserves the same blocks for it
+    (a decode node reserves at Generate; here the sender's own call stands in for that)."""
 
     def __init__(self, kv_caches, block_ids, in_shared_memory):
         super().__init__(kv_caches, in_shared_memory)
         self.bench_block_ids = block_ids
 
-    def _open_reservation(self, request_id):
-        if request_id not in self.reservations:
-            self.reserve(request_id, self.bench_block_ids)
-        return super()._open_reservation(request_id)
+    def reservation(self, token):
+        if token not in self.reservations:
+            self.reserve(token, self.bench_block_ids)
+        return super().reservation(token)
 
 
 def _serve_receiver(num_blocks: int, ready, info) -> None:
@@ -57,7 +59,7 @@ def _serve_receiver(num_blocks: int, ready, info) -> None:
         )
         receiver = _ReservingReceiver(shared.kv_caches, list(range(num_blocks)), in_shared_memory=True)
         server = grpc.aio.server(options=GRPC_OPTIONS)
-        KvTransferServicer(receiver).add_to_server(server)
+        KvTransferServicer(receiver, (shared.name, host_id(), shared.layout)).add_to_server(server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         info.update(address=f"127.0.0.1:{port}", shm_name=shared.name, layout=shared.layout)
@@ -100,7 +102,8 @@ def hot_memcpy_gbps(nbytes: int, repeats: int) -> float:
 
 async def push_every_layer(sender: KvSender, destination: KvDestination, kv_caches, block_ids, commit: KvCommit):
     """One request's push as a prefill node does it: the stream opens on the event loop, every
-    layer is sent from another thread (the engine's, there), and the commit follows."""
+    layer is sent from another thread (the engine's, there), and the commit follows. (The
+    prefill node asks for the reservation before its forward pass: not part of the transfer.)"""
     stream = sender.open_stream(destination, kv_caches, commit.request_id)
 
     def send_every_layer() -> None:
@@ -118,22 +121,27 @@ async def measure_paths(
     same pause, so all of them start from the same cache state, as one request's push does."""
     source, target = torch.rand(nbytes // 4), torch.empty(nbytes // 4)
 
-    async def memcpy(tag: str) -> None:
+    async def memcpy(tag: str, destination: None) -> None:
         target.copy_(source)
 
-    def push(sender: KvSender, destination: KvDestination):
-        return lambda tag: push_every_layer(sender, destination, kv_caches, block_ids, KvCommit(tag, 1))
+    def push(sender: KvSender, address: str):
+        async def transfer(tag: str, destination: KvDestination) -> None:
+            await push_every_layer(sender, destination, kv_caches, block_ids, KvCommit(tag, 1))
 
-    paths = {
-        "memcpy": memcpy,
-        **{name: push(*sender_and_destination) for name, sender_and_destination in senders.items()},
-    }
+        return lambda tag: sender.get_reservation(address, tag, RESERVATION_TIMEOUT_S), transfer
+
+    async def no_reservation(tag: str) -> None:
+        return None
+
+    paths = {"memcpy": (no_reservation, memcpy), **{name: push(*sender) for name, sender in senders.items()}}
     best = dict.fromkeys(paths, float("inf"))
     for round_index in range(repeats + 1):  # round 0 warms every path up
-        for name, transfer in paths.items():
+        for name, (reserve, transfer) in paths.items():
+            tag = f"{name}-{round_index}"
+            destination = await reserve(tag)
             await asyncio.sleep(pause_s)
             start = time.perf_counter()
-            await transfer(f"{name}-{round_index}")
+            await transfer(tag, destination)
             if round_index:
                 best[name] = min(best[name], time.perf_counter() - start)
     return {name: nbytes / seconds / 1e9 for name, seconds in best.items()}
@@ -161,11 +169,10 @@ def run(prompt_tokens: int, repeats: int, pause_s: float) -> dict[str, float]:
     child.start()
     try:
         ready.wait(60)
-        shm_destination = KvDestination(info["address"], tuple(block_ids), info["shm_name"], host_id(), info["layout"])
 
         async def measure():
             grpc_sender, shm_sender = GrpcKvSender(), ShmKvSender(require=True)
-            senders = {"shm": (shm_sender, shm_destination), "grpc": (grpc_sender, KvDestination(info["address"]))}
+            senders = {"shm": (shm_sender, info["address"]), "grpc": (grpc_sender, info["address"])}
             try:
                 return await measure_paths(senders, kv_caches, block_ids, nbytes, repeats, pause_s)
             finally:

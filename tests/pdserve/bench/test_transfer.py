@@ -4,16 +4,16 @@ import asyncio
 
 import grpc
 
-from kvtransfer.base import KvDestination, TransferStatus
+from kvtransfer.base import TransferStatus
 from kvtransfer.grpc_transport import GrpcKvSender, KvTransferServicer
 from kvtransfer.shm_transport import SharedKvCache, ShmKvSender, host_id
 from pdserve.bench.transfer import _ReservingReceiver, format_result, measure_paths, run
 from tests.kvtransfer.test_receiver import assert_copied, caches
 
 
-async def serve(receiver) -> tuple[grpc.aio.Server, str]:
+async def serve(receiver, shared_kv=("", "", "")) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
-    KvTransferServicer(receiver).add_to_server(server)
+    KvTransferServicer(receiver, shared_kv).add_to_server(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
@@ -28,10 +28,10 @@ def test_measured_pushes_deliver_every_page_through_both_transports():
     async def main():
         grpc_receiver = _ReservingReceiver(private, block_ids, in_shared_memory=False)
         shm_receiver = _ReservingReceiver(shared.kv_caches, block_ids, in_shared_memory=True)
-        (grpc_server, grpc_address), (shm_server, shm_address) = await serve(grpc_receiver), await serve(shm_receiver)
+        grpc_server, grpc_address = await serve(grpc_receiver)
+        shm_server, shm_address = await serve(shm_receiver, (shared.name, host_id(), shared.layout))
         grpc_sender, shm_sender = GrpcKvSender(), ShmKvSender(require=True)
-        shm_destination = KvDestination(shm_address, tuple(block_ids), shared.name, host_id(), shared.layout)
-        senders = {"shm": (shm_sender, shm_destination), "grpc": (grpc_sender, KvDestination(grpc_address))}
+        senders = {"shm": (shm_sender, shm_address), "grpc": (grpc_sender, grpc_address)}
         try:
             result = await measure_paths(senders, source, block_ids, 1 << 16, repeats=2, pause_s=0)
         finally:
