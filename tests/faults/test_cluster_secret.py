@@ -22,6 +22,7 @@ from pdserve.engine.scheduler import EngineLoad
 from pdserve.launcher import Launcher
 from tests.e2e.helpers import e2e_plan, gateway_num_nodes, wait_until
 from tests.factories import build_tiny_chat_model
+from tests.faults.helpers import node_infos
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,12 +46,6 @@ def cluster(tmp_path_factory):
     )
     with Launcher(plan) as running:
         yield running
-
-
-def node_infos(redis_url: str) -> dict[str, NodeInfo]:
-    client = redis.Redis.from_url(redis_url)
-    infos = (NodeInfo.from_json(client.get(key)) for key in client.scan_iter(f"{KEY_PREFIX}*"))
-    return {info.node_id: info for info in infos}
 
 
 def completions(base_url: str, num_requests: int) -> list[httpx.Response]:

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from pdserve.launcher import Launcher
-from tests.e2e.helpers import e2e_plan, metric_samples, wait_until
+from tests.e2e.helpers import e2e_plan, metric_samples
 from tests.factories import build_tiny_chat_model
-from tests.faults.test_overload import node_infos
+from tests.faults.helpers import wait_until_drained
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -114,21 +114,4 @@ def test_killing_a_decode_node_mid_stream_resumes_every_stream_with_the_same_tok
     migrations = metric_samples(cluster.base_url, "pdserve_gateway_migrations_total", node_id=killed["node"])
     # Every stream still running on the node moved once; one whose last token was already on its way did not.
     assert 1 <= sum(value for _, value in migrations) <= killed["mid_stream"], (migrations, killed)
-    assert_nothing_left(cluster, killed["node"])
-
-
-def assert_nothing_left(cluster: Launcher, dead_node: str) -> None:
-    def drained() -> bool:
-        in_flight = [value for _, value in metric_samples(cluster.base_url, "pdserve_gateway_in_flight_requests")]
-        return not any(in_flight)
-
-    wait_until(drained, 10, "the gateway's in-flight counts to return to 0")
-
-    def nodes_idle() -> bool:  # the killed node's entry lingers until its TTL: only the live ones count
-        live = [info for info in node_infos(cluster.redis_url) if info.node_id != dead_node]
-        return len(live) == 2 and all(
-            info.load.num_pending_transfers == 0 and info.load.num_free_blocks == info.capacity.num_blocks
-            for info in live
-        )
-
-    wait_until(nodes_idle, 10, "the live nodes to report no pending transfer and all blocks free")
+    wait_until_drained(cluster, num_nodes=2, dead_node=killed["node"])

@@ -13,12 +13,11 @@ import time
 
 import httpx
 import pytest
-import redis
 
-from pdserve.cluster_state.registry import KEY_PREFIX, NodeInfo
 from pdserve.launcher import Launcher
-from tests.e2e.helpers import e2e_plan, wait_until
+from tests.e2e.helpers import e2e_plan
 from tests.factories import build_tiny_chat_model
+from tests.faults.helpers import wait_until_nodes_idle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,24 +65,16 @@ def burst(cluster: Launcher, num_requests: int, first_index: int) -> list[tuple[
     return asyncio.run(main())
 
 
-def nodes_idle(redis_url: str) -> bool:
-    client = redis.Redis.from_url(redis_url)
-    infos = [NodeInfo.from_json(client.get(key)) for key in client.scan_iter(f"{KEY_PREFIX}*")]
-    return len(infos) == 2 and all(
-        info.load.num_pending_transfers == 0 and info.load.num_free_blocks == info.capacity.num_blocks for info in infos
-    )
-
-
 def test_a_prefill_queue_several_leases_long_fails_no_request(cluster):
     results = burst(cluster, POOL_REQUESTS, first_index=0)  # all reserved at once: only the prefill queue waits
     assert [status for status, _ in results] == [200] * POOL_REQUESTS
     # The last prompts' reservations waited for their pages through several lease periods
     # (here about 4; a fixed wait of one lease period would have failed half the requests).
     assert max(ttft for _, ttft in results) > 2 * LEASE_S
-    wait_until(lambda: nodes_idle(cluster.redis_url), 10, "no pending transfer and all blocks free on every node")
+    wait_until_nodes_idle(cluster, num_nodes=2)
 
 
 def test_a_burst_of_twice_the_decode_pool_waits_for_blocks_instead_of_429(cluster):
     results = burst(cluster, 2 * POOL_REQUESTS, first_index=POOL_REQUESTS)
     assert [status for status, _ in results] == [200] * 2 * POOL_REQUESTS
-    wait_until(lambda: nodes_idle(cluster.redis_url), 10, "no pending transfer and all blocks free on every node")
+    wait_until_nodes_idle(cluster, num_nodes=2)

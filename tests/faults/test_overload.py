@@ -10,12 +10,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
-from pdserve.cluster_state.registry import KEY_PREFIX, NodeInfo
 from pdserve.launcher import Launcher
 from tests.e2e.helpers import e2e_plan, metric_samples, wait_until
 from tests.factories import build_tiny_chat_model
+from tests.faults.helpers import wait_until_nodes_idle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,11 +41,6 @@ async def completion(client: httpx.AsyncClient, model: str, i: int) -> httpx.Res
 def rss_kib(pid: int) -> int:
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
     return int(fields["VmRSS"].split()[0])
-
-
-def node_infos(redis_url: str) -> list[NodeInfo]:
-    client = redis.Redis.from_url(redis_url)
-    return [NodeInfo.from_json(client.get(key)) for key in client.scan_iter(f"{KEY_PREFIX}*")]
 
 
 def test_a_burst_gets_200s_and_429s_only_and_leaks_nothing(cluster):
@@ -77,11 +71,4 @@ def test_a_burst_gets_200s_and_429s_only_and_leaks_nothing(cluster):
 
     wait_until(drained, 10, "the gateway's admission and in-flight counts to return to 0")
 
-    def nodes_idle() -> bool:
-        infos = node_infos(cluster.redis_url)
-        return len(infos) == 3 and all(
-            info.load.num_pending_transfers == 0 and info.load.num_free_blocks == info.capacity.num_blocks
-            for info in infos
-        )
-
-    wait_until(nodes_idle, 10, "every node to report no pending transfer and all blocks free")
+    wait_until_nodes_idle(cluster, num_nodes=3)

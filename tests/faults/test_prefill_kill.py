@@ -13,7 +13,7 @@ import pytest
 from pdserve.launcher import Launcher
 from tests.e2e.helpers import e2e_plan, metric_samples, wait_until
 from tests.factories import build_tiny_chat_model
-from tests.faults.test_overload import node_infos
+from tests.faults.helpers import wait_until_drained
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,17 +61,4 @@ def test_killing_a_prefill_node_under_load_fails_no_request(cluster):
     retried = metric_samples(cluster.base_url, "pdserve_gateway_retries_total", node_id=victim)
     assert retried and retried[0][1] >= 1  # prefills that died with the node went again elsewhere
 
-    def drained() -> bool:
-        in_flight = [value for _, value in metric_samples(cluster.base_url, "pdserve_gateway_in_flight_requests")]
-        return not any(in_flight)
-
-    wait_until(drained, 10, "the gateway's in-flight counts to return to 0")
-
-    def nodes_idle() -> bool:  # the killed node's entry lingers until its TTL: only the live ones count
-        live = [info for info in node_infos(cluster.redis_url) if info.node_id != victim]
-        return len(live) == 2 and all(
-            info.load.num_pending_transfers == 0 and info.load.num_free_blocks == info.capacity.num_blocks
-            for info in live
-        )
-
-    wait_until(nodes_idle, 10, "the live nodes to report no pending transfer and all blocks free")
+    wait_until_drained(cluster, num_nodes=2, dead_node=victim)
