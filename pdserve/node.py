@@ -41,6 +41,8 @@ from prefill_service.server import PrefillNodeService
 
 logger = logging.getLogger(__name__)
 
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})  # binds that no peer can dial
+
 
 class NodeService(Protocol):
     """What one role adds to the node runtime (prefill_service and decode_service implement it)."""
@@ -168,8 +170,19 @@ def _node_stats(engine: LLMEngine, service: NodeService) -> NodeStats:
     )
 
 
+def advertised_host(host: str, advertise_host: str | None) -> str:
+    """The host the gateway and other nodes dial: --advertise-host, or --host. `auto`, and a
+    wildcard bind without an advertised host, mean this machine's own address (in a container: its
+    address on the compose network, which every replica has its own of)."""
+    if advertise_host and advertise_host != "auto":
+        return advertise_host
+    if advertise_host == "auto" or host in WILDCARD_HOSTS:
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
 def _node_info(role: NodeRole, settings: NodeSettings, engine: LLMEngine, port: int) -> NodeInfo:
-    host = settings.advertise_host or settings.host
+    host = advertised_host(settings.host, settings.advertise_host)
     return NodeInfo(
         node_id=settings.node_id or f"{role}-{socket.gethostname()}-{port}-{uuid.uuid4().hex[:6]}",
         role=role,
