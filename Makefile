@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 MODEL  ?= smollm2-135m
 
-.PHONY: up test check install model bench clean
+.PHONY: up test check install model bench clean compose-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,3 +43,7 @@ bench: model
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Issue 13's proof with Docker (root, a daemon; not part of `make test`): scripts/compose_check.sh.
+compose-check: install
+	PY=$(PY) scripts/compose_check.sh

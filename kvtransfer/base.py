@@ -87,10 +87,15 @@ class KvDestination:
 
 @dataclass(frozen=True)
 class KvTransferStats:
-    """A receiver's counters since the node started (a node's registry stats)."""
+    """A node's KV transfer counters since it started: the receiver's (decode) and the sender's
+    (prefill); the registry's stats and the node's /metrics read them."""
 
     num_blocks_received: int = 0  # committed blocks, by either transport
     num_bytes_received: int = 0  # page bytes that came over the gRPC stream
+    num_commits_received: int = 0  # transfers committed here
+    num_pushes: int = 0  # transfers this node pushed that ended (committed or failed)
+    num_push_failures: int = 0
+    push_seconds: float = 0.0  # summed over pushes: last layer computed -> commit answered
 
 
 @dataclass(frozen=True)
@@ -189,9 +194,10 @@ class KvReceiver:
         self.reservations: dict[str, _Reservation] = {}
         self.num_bytes_received = 0  # over the gRPC stream
         self.num_blocks_received = 0  # committed blocks, by either transport
+        self.num_commits_received = 0
 
     def stats(self) -> KvTransferStats:
-        return KvTransferStats(self.num_blocks_received, self.num_bytes_received)
+        return KvTransferStats(self.num_blocks_received, self.num_bytes_received, self.num_commits_received)
 
     def reserve(self, token: str, block_ids: list[int], num_cached_blocks: int = 0) -> None:
         """Holds the blocks under `token` (from `new_reservation_token`). In shared memory,
@@ -258,6 +264,7 @@ class KvReceiver:
         reservation.commit = commit
         reservation.status = TransferStatus.DONE
         self.num_blocks_received += len(reservation.block_ids)
+        self.num_commits_received += 1
         reservation.done.set()
 
     def fail(self, request_id: str, reason: str) -> None:

@@ -36,6 +36,7 @@ from pdserve.cluster_state.secret import ClusterSecretServerInterceptor, is_loop
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.kv_cache import KvCacheStorage
 from pdserve.engine.llm_engine import LayerHook, LLMEngine
+from pdserve.node_metrics import NodeMetrics
 from pdserve.options import NodeSettings
 from prefill_service.server import PrefillNodeService
 
@@ -80,7 +81,14 @@ def run_node(role: NodeRole, settings: NodeSettings) -> None:
         torch.set_num_threads(settings.num_threads)
     service = node_service(role, settings)
     engine = LLMEngine(settings.engine_config(), kv_storage=service.kv_storage, layer_hook=service.layer_hook)
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, output_observer=lambda outputs: metrics.observe(outputs))
+    metrics = NodeMetrics(
+        role,
+        engine.kv_cache_manager.block_pool.num_blocks,
+        lambda: async_engine.load,
+        engine.counters,
+        service.kv_transfer_stats,
+    )
     stop_requested = threading.Event()
     signalled: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
@@ -91,7 +99,7 @@ def run_node(role: NodeRole, settings: NodeSettings) -> None:
 
     def serve_rpcs() -> None:
         try:
-            asyncio.run(_serve(role, settings, service, async_engine, stop_requested, signalled))
+            asyncio.run(_serve(role, settings, service, async_engine, metrics, stop_requested, signalled))
         finally:
             async_engine.stop()  # whatever ended the server ends the engine loop too
 
@@ -103,15 +111,19 @@ def run_node(role: NodeRole, settings: NodeSettings) -> None:
     rpc_thread.join()
 
 
-async def _serve(role, settings: NodeSettings, service: NodeService, async_engine, stop_requested, signalled) -> None:
+async def _serve(
+    role, settings: NodeSettings, service: NodeService, async_engine, metrics: NodeMetrics, stop_requested, signalled
+) -> None:
     stop = asyncio.Event()
     signalled.append((asyncio.get_running_loop(), stop))
     if stop_requested.is_set():
         stop.set()
     server, health_servicer, port = await _start_grpc(settings, service, async_engine)
+    node_info = _node_info(role, settings, async_engine.engine, port)
+    metrics.start(node_info.node_id, settings.host, settings.metrics_port, settings.advertise_host)
     registration = NodeRegistration(
         settings.redis_url,
-        _node_info(role, settings, async_engine.engine, port),
+        node_info.model_copy(update={"metrics_address": metrics.address}),
         lambda: async_engine.load,
         interval_s=settings.heartbeat_s,
         ttl_s=settings.ttl_s,
@@ -134,6 +146,7 @@ async def _serve(role, settings: NodeSettings, service: NodeService, async_engin
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2.0)
     await service.close()
+    metrics.stop()
 
 
 async def _start_grpc(settings: NodeSettings, service: NodeService, async_engine: AsyncEngine):

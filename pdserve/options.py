@@ -93,6 +93,9 @@ class NodeSettings(EngineOptions, KvTransferOptions, RedisOptions, ClusterSecret
     host: str = Field("127.0.0.1", description="the gRPC server's address")
     port: int = Field(0, ge=0, le=65535, description="the gRPC port; 0 picks a free one")
     advertise_host: str | None = Field(None, description="the host other nodes and the gateway dial; default: --host")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Prometheus /metrics over HTTP on --host; 0 picks a free one (see the registry)"
+    )
     node_id: str = Field("", description="the node's name in the registry; default: role-host-port-random")
     num_threads: int = Field(0, ge=0, description="torch threads; 0: torch's default")
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between registry heartbeats")

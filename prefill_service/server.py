@@ -64,6 +64,7 @@ class PrefillNodeService:
         self.pushes = KvPushes()
         self.layer_hook = self.pushes.on_layer_computed
         self._sender: KvSender | None = None
+        self._servicer: PrefillServicer | None = None
 
     def add_to_server(self, server: grpc.aio.Server, async_engine: AsyncEngine) -> None:
         # auto and shm: shared memory when the decode node shares this host, else the gRPC stream.
@@ -75,7 +76,15 @@ class PrefillNodeService:
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self._servicer, server)
 
     def kv_transfer_stats(self) -> KvTransferStats:
-        return KvTransferStats()  # a prefill node receives no pages
+        # A prefill node receives no pages: only its pushes count.
+        servicer = self._servicer
+        if servicer is None:
+            return KvTransferStats()
+        return KvTransferStats(
+            num_pushes=servicer.num_pushes,
+            num_push_failures=servicer.num_push_failures,
+            push_seconds=servicer.push_seconds,
+        )
 
     async def close(self) -> None:
         await self._servicer.close()

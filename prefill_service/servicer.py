@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
 from typing import Protocol
 
 import grpc
@@ -138,6 +139,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.eos_token_ids = async_engine.engine.eos_token_ids
         self._commits: set[asyncio.Task] = set()
         self._call_counter = itertools.count()
+        self.num_pushes = 0  # ended pushes, their failures and summed time: the node's KV transfer stats
+        self.num_push_failures = 0
+        self.push_seconds = 0.0
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context) -> prefill_pb2.PrefillResponse:
         rid = request.request_id
@@ -215,11 +219,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         task.add_done_callback(self._commits.discard)
 
     async def _commit(self, key: str, lease: Lease, commit: KvCommit) -> None:
+        started = time.monotonic()
         try:
             await self.pushes.stream(key).commit(commit)
         except (TransferError, asyncio.CancelledError) as error:
+            self.num_push_failures += 1
             logger.warning("KV transfer of %s failed: %s", commit.request_id, error)
         finally:
+            self.num_pushes += 1
+            self.push_seconds += time.monotonic() - started
             self.pushes.pop(key)
             self.leases.release(lease)
             self.async_engine.submit(lambda engine: engine.release_kv(key))

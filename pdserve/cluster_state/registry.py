@@ -90,6 +90,7 @@ class NodeInfo(BaseModel):
     node_id: str
     role: NodeRole
     address: str  # "host:port" of the node's gRPC server
+    metrics_address: str = ""  # "host:port" of its Prometheus /metrics ("": none)
     model: str
     capacity: NodeCapacity
     load: EngineLoad = EngineLoad()  # the engine's own record, as its heartbeat last carried it

@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 class AsyncEngine:
     """Owns the engine thread; mutates the engine only from that thread."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, output_observer: Callable[[list[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
+        self.output_observer = output_observer  # sees every published output first (a node's metrics)
         self._commands: queue.SimpleQueue[
             tuple[Callable[[LLMEngine], Any], asyncio.Future, asyncio.AbstractEventLoop]
         ] = queue.SimpleQueue()
@@ -82,6 +83,8 @@ class AsyncEngine:
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         """Hands outputs to their streams (thread-safe: may run on the engine thread)."""
+        if self.output_observer is not None:
+            self.output_observer(outputs)
         with self._streams_lock:
             targets = [(self._streams.get(o.request_id), o) for o in outputs]
         for target, output in targets:

@@ -46,6 +46,15 @@ class HeldPrompt:
     block_ids: list[int]
 
 
+@dataclass(frozen=True)
+class EngineCounters:
+    """The engine's counters since start (plain ints, readable from any thread between steps)."""
+
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+    num_preemptions: int
+
+
 # Called on the engine thread as soon as a layer of a step is computed, with the held prompts
 # that complete in that step: a prefill node pushes that layer's pages while the rest runs.
 LayerHook = Callable[[int, list[HeldPrompt]], None]
@@ -150,6 +159,11 @@ class LLMEngine:
         """What the node reports to the registry (read on the engine thread)."""
         return self.scheduler.load()
 
+    def counters(self) -> EngineCounters:
+        """What a node's metrics count (int reads: a scrape may lag a step, never tear)."""
+        cache = self.kv_cache_manager
+        return EngineCounters(cache.num_prefix_queries, cache.num_prefix_hits, self.scheduler.num_preemptions)
+
     @property
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
@@ -227,6 +241,8 @@ def _output(
         finish_reason=request.finish_reason,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
+        arrival_time=request.arrival_time,
+        first_scheduled_time=request.first_scheduled_time,
         token_ids=request.output_token_ids if with_history else [],
         logprobs=request.output_logprobs if with_history else [],
     )

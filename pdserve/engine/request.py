@@ -8,6 +8,7 @@ when it is scheduled again.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -69,6 +70,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
         self.num_preemptions = 0
+        self.arrival_time = time.monotonic()  # when the engine got it (monotonic: this process only)
+        self.first_scheduled_time: float | None = None  # left the waiting queue (None: never queued)
         self.hold_kv = False  # keep the blocks after finishing (a prefill node sending pages)
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
 
@@ -123,6 +126,8 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    arrival_time: float = 0.0  # the request's timestamps (time.monotonic), for the node's metrics
+    first_scheduled_time: float | None = None
     # Full history, filled in by LLMEngine.generate for offline callers.
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)

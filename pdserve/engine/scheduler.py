@@ -11,6 +11,7 @@ Policy, visible in `schedule()`:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ class EngineLoad:
     """How busy an engine is: what a node reports to the registry and the router reads."""
 
     num_waiting_tokens: int = 0  # prompt tokens not computed yet (waiting or mid-prefill)
+    num_waiting_requests: int = 0  # in the waiting queue (new or preempted)
     num_running: int = 0  # sequences decoding, or prefilled and about to
     num_free_blocks: int = 0
     num_pending_transfers: int = 0  # decode: reserved blocks awaiting pages; prefill: pages held for a push
@@ -83,6 +85,7 @@ class Scheduler:
         self.prefilled: deque[Request] = deque()  # pages arrived, waiting for a running slot
         # Prefill node: finished requests whose blocks stay until their pages are sent.
         self.held: dict[str, Request] = {}
+        self.num_preemptions = 0  # since start: a plain int the node's metrics read
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -92,6 +95,7 @@ class Scheduler:
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         return EngineLoad(
             num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in [*self.waiting, *prefilling]),
+            num_waiting_requests=len(self.waiting),
             num_running=len(self.running) + len(self.prefilled),
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_pending_transfers=len(self.reserved) + len(self.held),
@@ -203,6 +207,7 @@ class Scheduler:
                 break  # first come, first served: later requests wait behind this one
             self.waiting.popleft()
             if request.num_preemptions == 0:
+                request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_cached
                 self.kv_cache_manager.record_prefix_query(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
@@ -216,6 +221,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:

