@@ -92,7 +92,11 @@ class NodeSettings(EngineOptions, KvTransferOptions, RedisOptions, ClusterSecret
 
     host: str = Field("127.0.0.1", description="the gRPC server's address")
     port: int = Field(0, ge=0, le=65535, description="the gRPC port; 0 picks a free one")
-    advertise_host: str | None = Field(None, description="the host other nodes and the gateway dial; default: --host")
+    advertise_host: str | None = Field(
+        None,
+        description="the host other nodes and the gateway dial; auto: this machine's own address "
+        "(a container's on its network); default: --host, or auto when --host is 0.0.0.0 or ::",
+    )
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Prometheus /metrics over HTTP on --host; 0 picks a free one (see the registry)"
     )

@@ -22,8 +22,6 @@ from tests.deploy.compose_files import REPO_ROOT, REQUIRED_PLACEHOLDER, load_com
 NODE_SERVICES = ("prefill", "decode")
 PDSERVE_SERVICES = ("gateway", *NODE_SERVICES)
 ENV_PREFIX_TO_SETTINGS = {"PDSERVE_NODE_": NodeSettings, "PDSERVE_GATEWAY_": GatewaySettings}
-# The node metrics option lands with pdserve/node_metrics.py (another change); compose sets it already.
-PENDING_OPTIONS = {"PDSERVE_NODE_METRICS_PORT"}
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +57,7 @@ def test_command_and_environment_form_a_valid_pdserve_command_line(services, nam
     for variable in [v for v in os.environ if v.startswith("PDSERVE_")]:
         monkeypatch.delenv(variable)
     for variable, value in service["environment"].items():
-        if variable not in PENDING_OPTIONS:
-            monkeypatch.setenv(variable, str(value))
+        monkeypatch.setenv(variable, str(value))
     parser = build_parser()
     args = parser.parse_args(service["command"])  # the image's ENTRYPOINT is ["pdserve"]
     assert args.command == name and args.log_level == "INFO"
@@ -71,6 +68,7 @@ def test_command_and_environment_form_a_valid_pdserve_command_line(services, nam
     if name != "gateway":
         assert (settings.port, settings.advertise_host, settings.kv_transport) == (50051, "auto", "grpc")
         assert settings.model == "smollm2-135m"
+        assert settings.metrics_port == 9100  # where Prometheus looks for every replica
 
 
 def test_every_pdserve_variable_in_compose_and_the_images_is_an_option():
@@ -79,7 +77,7 @@ def test_every_pdserve_variable_in_compose_and_the_images_is_an_option():
         n for path in sources for n in re.findall(r"\bPDSERVE_(?:NODE|GATEWAY)_\w+", (REPO_ROOT / path).read_text())
     }
     assert {"PDSERVE_NODE_MODEL", "PDSERVE_GATEWAY_ROUTER_POLICY"} <= names
-    for name in names - PENDING_OPTIONS:
+    for name in names:
         prefix = next(p for p in ENV_PREFIX_TO_SETTINGS if name.startswith(p))
         assert name.removeprefix(prefix).lower() in ENV_PREFIX_TO_SETTINGS[prefix].model_fields, name
 
