@@ -13,7 +13,8 @@ ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 ARG TORCH_REQUIREMENT=torch==2.13.0
 ARG MODEL=smollm2-135m
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH \
+    PIP_CONFIG_FILE=/tmp/wheels/pip.conf
 RUN python3 -m venv /opt/venv && useradd --create-home --uid 10001 pdserve
 COPY deploy/wheels/ /tmp/wheels/
 RUN pip install --find-links /tmp/wheels "${TORCH_REQUIREMENT}"

