@@ -36,7 +36,8 @@ if ! docker image inspect python:3.11-slim >/dev/null 2>&1 && ! docker pull pyth
   if ! docker image inspect pdserve-base:bookworm >/dev/null 2>&1; then
     log "building a base image from Debian packages"
     command -v debootstrap >/dev/null || apt-get install -y -q debootstrap
-    root=$(mktemp -d); debootstrap --variant=minbase --include=python3,python3-venv,python3-pip bookworm "$root"
+    # mktemp -d is 0700: as the image's / it would lock every non-root user out of the file system.
+    root=$(mktemp -d); chmod 755 "$root"; debootstrap --variant=minbase --include=python3,python3-venv,python3-pip bookworm "$root"
     tar -C "$root" -c . | docker import - pdserve-base:bookworm; rm -rf "$root"
   fi
   export BASE_IMAGE=pdserve-base:bookworm
