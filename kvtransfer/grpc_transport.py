@@ -10,7 +10,8 @@ the receiver's reservations for prompts still waiting on the prefill node (kvtra
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import grpc
 
@@ -32,7 +33,7 @@ from kvtransfer.page_codec import (
     encode_commit,
     encode_pages,
 )
-from protos import kv_transfer_pb2
+from protos import kv_transfer_pb2, kv_transfer_pb2_grpc
 from protos.tls import open_channel
 
 GRPC_OPTIONS = [
@@ -46,9 +47,6 @@ GRPC_OPTIONS = [
 
 
 PUSH_KV = "/pdserve.v1.KvTransferService/PushKv"
-COMMIT_KV = "/pdserve.v1.KvTransferService/CommitKv"
-RENEW_LEASES = "/pdserve.v1.KvTransferService/RenewLeases"
-GET_RESERVATION = "/pdserve.v1.KvTransferService/GetReservation"
 
 
 class GrpcKvSender(KvSender):
@@ -69,44 +67,27 @@ class GrpcKvSender(KvSender):
 
     async def commit(self, destination: KvDestination, commit: KvCommit) -> None:
         """The commit alone, in one unary call (the pages travelled another way)."""
-        commit_kv = self._channel(destination.address).unary_unary(
-            COMMIT_KV,
-            request_serializer=kv_transfer_pb2.KvCommit.SerializeToString,
-            response_deserializer=kv_transfer_pb2.PushKvResponse.FromString,
-        )
-        try:
-            response = await commit_kv(commit_to_proto(commit))
-        except grpc.aio.AioRpcError as error:
-            raise TransferError(
-                f"commit to {destination.address} failed: {error.code().name} {error.details()}"
-            ) from error
+        with _transfer_errors(f"commit to {destination.address} failed"):
+            response = await self._stub(destination.address).CommitKv(commit_to_proto(commit))
         if not response.ok:
             raise TransferError(response.error)
 
     async def get_reservation(self, address: str, token: str, timeout_s: float) -> KvDestination:
-        get = self._channel(address).unary_unary(
-            GET_RESERVATION,
-            request_serializer=kv_transfer_pb2.GetReservationRequest.SerializeToString,
-            response_deserializer=kv_transfer_pb2.GetReservationResponse.FromString,
-        )
-        try:
-            answer = await get(kv_transfer_pb2.GetReservationRequest(reservation_token=token), timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            raise TransferError(f"reservation at {address}: {error.code().name} {error.details()}") from error
+        request = kv_transfer_pb2.GetReservationRequest(reservation_token=token)
+        with _transfer_errors(f"reservation at {address}"):
+            answer = await self._stub(address).GetReservation(request, timeout=timeout_s)
         shm = (answer.shm_name, answer.host_id, answer.kv_layout)
         return KvDestination(address, tuple(answer.block_ids), *shm, num_cached_blocks=answer.num_cached_blocks)
 
     async def renew_leases(self, address: str, request_ids: list[str], timeout_s: float) -> LeaseRenewal:
-        renew = self._channel(address).unary_unary(
-            RENEW_LEASES,
-            request_serializer=kv_transfer_pb2.RenewLeasesRequest.SerializeToString,
-            response_deserializer=kv_transfer_pb2.RenewLeasesResponse.FromString,
-        )
-        try:
-            response = await renew(kv_transfer_pb2.RenewLeasesRequest(request_ids=request_ids), timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            raise TransferError(f"renewal at {address} failed: {error.code().name} {error.details()}") from error
+        request = kv_transfer_pb2.RenewLeasesRequest(request_ids=request_ids)
+        with _transfer_errors(f"renewal at {address} failed"):
+            response = await self._stub(address).RenewLeases(request, timeout=timeout_s)
         return LeaseRenewal(list(response.released_request_ids), response.lease_ms / 1000)
+
+    def _stub(self, address: str) -> kv_transfer_pb2_grpc.KvTransferServiceStub:
+        # The generated stub serves the unary calls; PushKv keeps its own encoder (page_codec).
+        return kv_transfer_pb2_grpc.KvTransferServiceStub(self._channel(address))
 
     async def _push(self, address: str, messages) -> None:
         # Messages arrive encoded (bytes): the sender controls every copy of the page data.
@@ -236,3 +217,12 @@ class KvTransferServicer:
             host_id=host_id,
             kv_layout=kv_layout,
         )
+
+
+@contextlib.contextmanager
+def _transfer_errors(what: str) -> Iterator[None]:
+    """A failed unary call to the decode node as a TransferError saying what failed and why."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as error:
+        raise TransferError(f"{what}: {error.code().name} {error.details()}") from error
