@@ -9,8 +9,8 @@ Lifecycle of a node:
   2. a second thread runs the asyncio loop: the gRPC server with the service's servicers, marked
      SERVING, the registration in Redis with heartbeats of the engine's load, and the
      publication of the prefix cache's blocks to the cluster's KV index;
-  3. on SIGTERM/SIGINT: leave the registry, stop the server (short grace), close the service,
-     stop the engine loop.
+  3. on SIGTERM/SIGINT: leave the registry, report NOT_SERVING, let the open streams finish
+     (--drain-s), stop the server (short grace), close the service, stop the engine loop.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 import uuid
 from typing import Protocol
 
@@ -144,9 +145,23 @@ async def _serve(
     await kv_index.stop()
     await registration.stop()
     await health_servicer.enter_graceful_shutdown()
+    await _drain(async_engine, settings.drain_s)
     await server.stop(grace=2.0)
     await service.close()
     metrics.stop()
+
+
+async def _drain(async_engine: AsyncEngine, timeout_s: float) -> None:
+    """Lets the open streams finish (scaling down fails no request that has started here): the node
+    has left the registry, so new requests go elsewhere; what is still open at the deadline is cut,
+    and the gateway resumes it on another node."""
+    deadline = time.monotonic() + timeout_s
+    if async_engine.num_open_streams:
+        logger.info("draining %d open streams (at most %.0f s)", async_engine.num_open_streams, timeout_s)
+    while async_engine.num_open_streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if async_engine.num_open_streams:
+        logger.warning("stopping with %d streams still open after %.0f s", async_engine.num_open_streams, timeout_s)
 
 
 async def _start_grpc(settings: NodeSettings, service: NodeService, async_engine: AsyncEngine):

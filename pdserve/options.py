@@ -104,6 +104,12 @@ class NodeSettings(EngineOptions, KvTransferOptions, RedisOptions, ClusterSecret
     num_threads: int = Field(0, ge=0, description="torch threads; 0: torch's default")
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between registry heartbeats")
     ttl_s: float = Field(3.0, gt=0, description="a node missing heartbeats this long leaves the registry")
+    drain_s: float = Field(
+        8.0,
+        ge=0,
+        description="on SIGTERM, seconds the node keeps serving its open streams after leaving the registry "
+        "(keep it under the supervisor's stop grace: compose's stop_grace_period, the launcher's 10 s)",
+    )
 
 
 class GenerateSettings(EngineOptions, BaseSettings):
