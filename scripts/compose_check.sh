@@ -21,8 +21,16 @@ if docker compose version >/dev/null 2>&1; then COMPOSE="docker compose"; else
   command -v docker-compose >/dev/null || apt-get install -y -q docker-compose
   COMPOSE=docker-compose
 fi
+# overlay2 where the kernel lets us mount an overlay (ext4 here: it does); vfs otherwise, which copies
+# the whole image for each layer and container (2+2 nodes then need ~70 GB).
+overlay_works() {
+  local dir; dir=$(mktemp -d); mkdir "$dir"/{l,u,w,m}
+  mount -t overlay overlay -o "lowerdir=$dir/l,upperdir=$dir/u,workdir=$dir/w" "$dir/m" 2>/dev/null \
+    && umount "$dir/m" && rm -rf "$dir"
+}
 if ! docker info >/dev/null 2>&1; then
-  log "starting dockerd (vfs)"; (dockerd --storage-driver=vfs >/tmp/dockerd.log 2>&1 &)
+  driver=vfs; overlay_works && driver=overlay2
+  log "starting dockerd ($driver)"; (dockerd --storage-driver=$driver >/tmp/dockerd.log 2>&1 &)
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
 fi
 [ -f .env ] || { cp .env.example .env; sed -i "s/^PDSERVE_CLUSTER_SECRET=.*/PDSERVE_CLUSTER_SECRET=$(openssl rand -hex 24)/" .env; }
@@ -64,20 +72,36 @@ trap 'dc down -v --remove-orphans || true' EXIT
 log "building"; start=$(date +%s)
 dc build prefill
 dc build gateway
+log "built in $(( $(date +%s) - start )) s; image sizes:"
 docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep pdserve
-log "up --scale prefill=2 --scale decode=2"
+probe() { "$PY" scripts/compose_probe.py "$@"; }
+nodes() { dc ps -q prefill; dc ps -q decode; }
+
+log "1. up --scale prefill=2 --scale decode=2"
 dc up -d --scale prefill=2 --scale decode=2
-"$PY" scripts/compose_probe.py wait --prefill 2 --decode 2
-"$PY" scripts/compose_probe.py chat --expect-prefill 2 --expect-decode 2
-dc up -d --scale prefill=2 --scale decode=3
-"$PY" scripts/compose_probe.py wait --prefill 2 --decode 3
-"$PY" scripts/compose_probe.py chat --expect-decode 3
-docker kill "$(dc ps -q decode | head -1)"
-"$PY" scripts/compose_probe.py chat --within-s 10
-for id in $(dc ps -q prefill) $(dc ps -q decode); do
-  docker exec "$id" python -c "import urllib.request; print(len(urllib.request.urlopen('http://127.0.0.1:9100/metrics').read()))"
-done
+probe wait --prefill 2 --decode 2
+# shellcheck disable=SC2046
+probe metrics --save /tmp/compose-metrics.json $(nodes)
+log "2.-3. chats (openai client, streaming and not) on both replicas of each phase; greedy == pdserve generate"
+probe chat --expect-prefill 2 --expect-decode 2
+probe greedy
+log "4. scale decode to 3: the new replica gets requests"
+dc up -d --no-recreate --scale prefill=2 --scale decode=3
+probe wait --prefill 2 --decode 3
+probe chat --expect-prefill 2 --expect-decode 3
+log "6. every node's /metrics scraped over the bridge; its counters moved"
+# shellcheck disable=SC2046
+probe metrics --moved-since /tmp/compose-metrics.json $(nodes)  # the new replica counts from 0
+log "4b. scale decode back to 2 under load: the removed replica drains, no request fails"
+probe load -- $COMPOSE "${OVERRIDES[@]}" up -d --no-recreate --scale prefill=2 --scale decode=2
+probe wait --prefill 2 --decode 2
+log "5. docker kill one decode container under load: every request succeeds"
+probe load --after-s 12 -- docker kill "$(dc ps -q decode | head -1)"
+log "7. down -v"
 dc down -v --remove-orphans; trap - EXIT
-left=$(docker ps -aq --filter label=com.docker.compose.project="$(basename "$PWD")"; docker volume ls -q | grep prometheus-data || true)
+project=$(basename "$PWD")
+left="$(docker ps -aq --filter label=com.docker.compose.project="$project")"
+left+="$(docker network ls -q --filter label=com.docker.compose.project="$project")"
+left+="$(docker volume ls -q --filter label=com.docker.compose.project="$project")"
 [ -z "$left" ] || { log "left behind: $left"; exit 1; }
-log "done in $(( $(date +%s) - start )) s"
+log "passed in $(( $(date +%s) - start )) s"

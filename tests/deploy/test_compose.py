@@ -45,9 +45,9 @@ def test_a_node_service_scales(services, name):
     assert service["healthcheck"]["test"][:2] == ["CMD", "python"]
 
 
-def test_the_gateway_waits_for_redis_and_checks_health(services):
+def test_the_gateway_waits_for_redis_and_healthy_nodes_and_checks_health(services):
     gateway = services["gateway"]
-    assert gateway["depends_on"] == {"redis": {"condition": "service_healthy"}}
+    assert gateway["depends_on"] == {name: {"condition": "service_healthy"} for name in ("redis", *NODE_SERVICES)}
     assert "/health" in " ".join(gateway["healthcheck"]["test"])
 
 
