@@ -82,7 +82,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             else:
                 token = new_reservation_token()
                 yield await self._reserve(rid, token, prompt, params, context)
+                logger.debug("request %s: blocks reserved, awaiting pages", rid)
                 final = await self._await_pages(rid, token, context)
+                logger.debug("request %s: pages committed", rid)
                 if final is not None:
                     finished = True
                     yield chunk_message(final)
@@ -92,6 +94,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 finished = output.finished
                 yield chunk_message(output)
         finally:
+            logger.debug("request %s: %s", rid, "finished" if finished else "ended unfinished (cancelled or failed)")
             self.async_engine.close_stream(rid)
             if token:
                 self.receiver.forget(token)

@@ -9,8 +9,9 @@ Lifecycle of a node:
   2. a second thread runs the asyncio loop: the gRPC server with the service's servicers, marked
      SERVING, the registration in Redis with heartbeats of the engine's load, and the
      publication of the prefix cache's blocks to the cluster's KV index;
-  3. on SIGTERM/SIGINT: leave the registry, report NOT_SERVING, let the open streams finish
-     (--drain-s), stop the server (short grace), close the service, stop the engine loop.
+  3. on SIGTERM/SIGINT: mark its entry draining (routers send nothing new), report NOT_SERVING,
+     let its open streams and transfers finish (--drain-s), leave the registry, stop the server
+     (short grace), close the service, stop the engine loop.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from pdserve.options import NodeSettings
 from prefill_service.server import PrefillNodeService
 
 logger = logging.getLogger(__name__)
+# A gateway's registry snapshot is at most this old (RegistryView's refresh): a stopping node
+# keeps serving this long, so requests routed to it just before it was marked draining are not refused.
+DRAIN_LINGER_S = 1.0
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})  # binds that no peer can dial
 
@@ -121,7 +125,9 @@ async def _serve(
         stop.set()
     server, health_servicer, port = await _start_grpc(settings, service, async_engine)
     node_info = _node_info(role, settings, async_engine.engine, port)
-    metrics.start(node_info.node_id, settings.host, settings.metrics_port, settings.advertise_host)
+    metrics.start(
+        node_info.node_id, settings.host, settings.metrics_port, advertised_host(settings.host, settings.advertise_host)
+    )
     registration = NodeRegistration(
         settings.redis_url,
         node_info.model_copy(update={"metrics_address": metrics.address}),
@@ -142,26 +148,41 @@ async def _serve(
     logger.info("%s node %s serving on %s:%d", role, registration.node_info.node_id, settings.host, port)
     await stop.wait()
     logger.info("stopping %s node", role)
-    await kv_index.stop()
-    await registration.stop()
+    await registration.drain()
     await health_servicer.enter_graceful_shutdown()
     await _drain(async_engine, settings.drain_s)
+    await kv_index.stop()
+    await registration.stop()
     await server.stop(grace=2.0)
     await service.close()
     metrics.stop()
 
 
 async def _drain(async_engine: AsyncEngine, timeout_s: float) -> None:
-    """Lets the open streams finish (scaling down fails no request that has started here): the node
-    has left the registry, so new requests go elsewhere; what is still open at the deadline is cut,
-    and the gateway resumes it on another node."""
-    deadline = time.monotonic() + timeout_s
-    if async_engine.num_open_streams:
-        logger.info("draining %d open streams (at most %.0f s)", async_engine.num_open_streams, timeout_s)
-    while async_engine.num_open_streams and time.monotonic() < deadline:
+    """Lets the node's work finish (scaling down fails no request that has started here): open
+    streams, and KV transfers under way (a decode node's reservations awaiting pages, a prefill
+    node's pages held for a push). The node is marked draining in the registry, but a gateway may
+    have routed a request here just before it saw that: the node serves at least one registry
+    refresh more. What is still open at the deadline is cut, and the gateway resumes it elsewhere."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    if _work_left(async_engine):
+        logger.info("draining: %s (at most %.0f s)", _work_left(async_engine), timeout_s)
+    while time.monotonic() < deadline and (_work_left(async_engine) or time.monotonic() < started + DRAIN_LINGER_S):
         await asyncio.sleep(0.05)
-    if async_engine.num_open_streams:
-        logger.warning("stopping with %d streams still open after %.0f s", async_engine.num_open_streams, timeout_s)
+    if _work_left(async_engine):
+        logger.warning("stopping after %.0f s of draining with %s", timeout_s, _work_left(async_engine))
+
+
+def _work_left(async_engine: AsyncEngine) -> str:
+    """What keeps a stopping node up, in words; empty when nothing does."""
+    load = async_engine.load
+    counts = {
+        "open streams": async_engine.num_open_streams,
+        "transfers": load.num_pending_transfers,
+        "requests": load.num_running + load.num_waiting_requests,
+    }
+    return ", ".join(f"{count} {what}" for what, count in counts.items() if count)
 
 
 async def _start_grpc(settings: NodeSettings, service: NodeService, async_engine: AsyncEngine):

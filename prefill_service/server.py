@@ -36,7 +36,8 @@ class RegisteredDecodeNodes:
         return self._known(address)
 
     def _known(self, address: str) -> bool:
-        return any(node.address == address for node in self.view.nodes("decode"))
+        # A draining decode node still awaits the pages of the requests it reserved for.
+        return any(node.address == address for node in self.view.nodes("decode", include_draining=True))
 
     async def close(self) -> None:
         await self.view.stop()

@@ -169,6 +169,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         token_id = output.new_token_ids[0]
         logprob = output.new_logprobs[0] if output.new_logprobs else None
         reason = finish_reason_after_first_token(params, self.eos_token_ids, token_id)
+        logger.debug("request %s: first token; pages go to %s", rid, request.decode_address)
         if reason is None:
             self._start_commit(key, lease, KvCommit(token, token_id, logprob))
         else:
@@ -222,6 +223,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         started = time.monotonic()
         try:
             await self.pushes.stream(key).commit(commit)
+            logger.debug("request %s: pages committed", commit.request_id)
         except (TransferError, asyncio.CancelledError) as error:
             self.num_push_failures += 1
             logger.warning("KV transfer of %s failed: %s", commit.request_id, error)

@@ -153,12 +153,11 @@ def load(args) -> None:
         while not stop.is_set():
             started = time.monotonic()
             try:
-                one_chat(i, stream=True, max_tokens=16)
-                outcome = None
+                decode, outcome = one_chat(i, stream=True, max_tokens=16)["decode"], None
             except Exception as error:  # every failure is reported below
-                outcome = repr(error)
+                decode, outcome = "", repr(error)
             with lock:
-                results.append((started, time.monotonic() - started, outcome))
+                results.append((started, time.monotonic() - started, outcome, decode))
             i += args.concurrency
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(args.concurrency)]
@@ -167,12 +166,15 @@ def load(args) -> None:
     time.sleep(args.before_s)
     command_at = time.monotonic()
     subprocess.run(args.command, check=True)
+    command_took_s = time.monotonic() - command_at
     time.sleep(args.after_s)
     stop.set()
     for thread in threads:
         thread.join()
-    failures = [outcome for _, _, outcome in results if outcome]
-    after = [latency for started, latency, _ in results if started >= command_at]
+    failures = [outcome for _, _, outcome, _ in results if outcome]
+    after = [latency for started, latency, _, _ in results if started >= command_at]
+    # [seconds from the command, latency, decode node]: which requests waited, and where they ran.
+    timeline = [[round(s - command_at, 1), round(latency, 1), decode[:20]] for s, latency, _, decode in results]
     report(
         "load",
         command=" ".join(args.command),
@@ -180,6 +182,8 @@ def load(args) -> None:
         failed=len(failures),
         started_after_command=len(after),
         slowest_after_command_s=round(max(after, default=0.0), 2),
+        command_took_s=round(command_took_s, 1),
+        timeline=timeline,
     )
     if failures or not after:
         fail(f"{len(failures)} requests failed: {failures[:3]}" if failures else "no request ran after the command")

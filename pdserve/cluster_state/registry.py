@@ -95,6 +95,9 @@ class NodeInfo(BaseModel):
     capacity: NodeCapacity
     load: EngineLoad = EngineLoad()  # the engine's own record, as its heartbeat last carried it
     stats: NodeStats = NodeStats()
+    # Stopping (SIGTERM): it finishes what it has and takes no new request; routers skip it, but
+    # prefill nodes still push to it the pages of requests it has already reserved for.
+    draining: bool = False
     incarnation: str = Field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = Field(default_factory=time.time)
     updated_at: float = Field(default_factory=time.time)
@@ -235,6 +238,12 @@ class NodeRegistration:
             self.interval_s,
         )
 
+    async def drain(self) -> None:
+        """Marks the entry draining at once (routers stop sending new requests within a refresh);
+        heartbeats go on until stop()."""
+        self.node_info = self.node_info.model_copy(update={"draining": True})
+        await self.beat()
+
     async def stop(self) -> None:
         await self._heartbeat.stop()
         try:
@@ -299,10 +308,12 @@ class RegistryView:
         await self._refresher.stop()
         await self._client.aclose()
 
-    def nodes(self, role: NodeRole | None = None) -> list[NodeInfo]:
-        """The last snapshot, sorted by node_id; never waits on Redis."""
+    def nodes(self, role: NodeRole | None = None, include_draining: bool = False) -> list[NodeInfo]:
+        """The last snapshot, sorted by node_id, without draining nodes unless asked; never waits on Redis."""
         infos = sorted(self._node_id_to_info.values(), key=lambda info: info.node_id)
-        return [info for info in infos if role is None or info.role == role]
+        return [
+            info for info in infos if (role is None or info.role == role) and (include_draining or not info.draining)
+        ]
 
     def get(self, node_id: str) -> NodeInfo | None:
         return self._node_id_to_info.get(node_id)

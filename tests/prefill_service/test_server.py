@@ -36,6 +36,9 @@ def test_registered_decode_nodes_are_those_of_the_signed_registry():
             assert await directory.is_decode_node("127.0.0.1:1001")
             assert not await directory.is_decode_node("127.0.0.1:1002")  # a prefill node
             assert not await directory.is_decode_node("127.0.0.1:1003")  # not signed with the secret
+            await decode.drain()  # stopping: it still awaits the pages of what it reserved
+            await directory.view.refresh()
+            assert await directory.is_decode_node("127.0.0.1:1001")
         finally:
             for registration in (decode, prefill, unsigned):
                 await registration.stop()

@@ -140,6 +140,27 @@ def test_stop_removes_the_node_at_once(redis_url):
     asyncio.run(body())
 
 
+def test_a_draining_node_stays_registered_but_leaves_the_routable_nodes_at_once(redis_url):
+    async def body():
+        registration = NodeRegistration(redis_url, make_node("decode-0", "decode"), EngineLoad, **FAST)
+        view = RegistryView(redis_url, ttl_s=1.0)
+        await registration.start()
+        await registration.drain()
+        await view.refresh()
+        assert view.nodes() == [] and view.nodes("decode") == []
+        [draining] = view.nodes("decode", include_draining=True)
+        assert draining.draining and draining.node_id == "decode-0"
+        await asyncio.sleep(1.5)  # past the TTL: the heartbeats keep the draining entry alive
+        await view.refresh()
+        assert [n.node_id for n in view.nodes(include_draining=True)] == ["decode-0"]
+        await registration.stop()
+        await view.refresh()
+        assert view.nodes(include_draining=True) == []
+        await view.stop()
+
+    asyncio.run(body())
+
+
 def test_restarted_node_replaces_old_entry_and_old_stop_keeps_it(redis_url):
     async def body():
         old = NodeRegistration(redis_url, make_node(port=1111), EngineLoad, **FAST)
