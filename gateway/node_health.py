@@ -25,8 +25,14 @@ from protos.tls import open_channel
 logger = logging.getLogger(__name__)
 
 # A restarted node may come back at the same address: retry connecting within a second, not
-# after gRPC's default backoff of up to two minutes.
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
+# after gRPC's default backoff of up to two minutes. A node whose host or container is gone
+# answers no SYN: give up connecting after 2 s (gRPC's default is 20 s), so that a request routed
+# to it in the registry's TTL fails over at once.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.min_reconnect_backoff_ms", 2000),  # despite its name: the minimum connect timeout
+]
 
 
 class NodeHealthChecker:

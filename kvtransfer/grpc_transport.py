@@ -43,6 +43,9 @@ GRPC_OPTIONS = [
     ("grpc.http2.max_frame_size", 16 << 20 - 1),
     ("grpc.http2.bdp_probe", 1),
     ("grpc.http2.lookahead_bytes", 64 << 20),
+    # The minimum connect timeout (20 s by default): a decode node whose host is gone fails the
+    # push after 2 s, and the gateway retries the request elsewhere.
+    ("grpc.min_reconnect_backoff_ms", 2000),
 ]
 
 

