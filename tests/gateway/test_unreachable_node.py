@@ -32,16 +32,15 @@ def silent_address():
         filler.connect_ex(listener.getsockname())
         fillers.append(filler)
     time.sleep(0.2)
-    yield "127.0.0.1:%d" % listener.getsockname()[1]
+    yield f"127.0.0.1:{listener.getsockname()[1]}"
     for sock in (*fillers, listener):
         sock.close()
 
 
 def seconds_to_fail(address: str, options) -> float:
     started = time.monotonic()
-    with grpc.insecure_channel(address, options=options) as channel:
-        with pytest.raises(grpc.RpcError) as raised:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+    with grpc.insecure_channel(address, options=options) as channel, pytest.raises(grpc.RpcError) as raised:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     return time.monotonic() - started
 
