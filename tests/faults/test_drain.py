@@ -1,7 +1,7 @@
 """SIGTERM to a decode node while streams run on it (what `docker compose up --scale decode=N-1`
 and a rolling restart do): the node is marked draining in the registry at once (routers skip it),
-keeps serving its open streams until they finish (--drain-s), and exits 0. No stream fails or moves to the other node, and
-requests sent during the drain go to the other node."""
+keeps serving its open streams until they finish (--drain-s), and exits 0. No stream fails or
+moves to the other node, and requests sent during the drain go to the other node."""
 
 from __future__ import annotations
 
