@@ -6,7 +6,7 @@ and hands them to the piece that runs the command.
     pdserve prefill | decode | colocated --redis-url URL [--port P] [--node-id ID] [engine flags]
     pdserve gateway --redis-url URL [--port P] [--router-policy P]
     pdserve up [--prefill N] [--decode M] [--colocated] [--redis-url URL] [engine and router flags]
-    pdserve bench offline|serve|compare|transfer|interference|routing [its own flags]
+    pdserve bench offline|serve|compare|transfer|interference|routing|chaos|quality [its own flags]
 
 Every flag also reads from the environment: PDSERVE_<COMMAND>_<NAME> (see `pdserve <command> --help`).
 """
@@ -40,6 +40,7 @@ BENCH_KIND_TO_HELP = {
     "interference": "decode ITL under long prompts; TTFT: disaggregated vs colocated",
     "routing": "prefix_aware vs round_robin routing on shared prefixes: TTFT, hit rate",
     "chaos": "load while a random node is killed every few seconds: completed, failed, migrated",
+    "quality": "--quantization modes against float32: greedy agreement, perplexity, step time vs floor",
 }
 BENCH_KIND_TO_MODULE = {kind: f"pdserve.bench.{'serving' if kind == 'serve' else kind}" for kind in BENCH_KIND_TO_HELP}
 

@@ -42,6 +42,11 @@ class EngineOptions(BaseModel):
     model: str = Field(DEFAULT_MODEL, description=MODEL_HELP)
     dtype: Literal["float32", "bfloat16", "float16"] = Field(EngineConfig.dtype, description="weights and KV cache")
     device: str = Field(EngineConfig.device, description="torch device")
+    quantization: Literal["none", "int8", "int4"] = Field(
+        EngineConfig.quantization,
+        description="weight-only quantized linear layers on CPU: int8 per channel, int4 in groups of 32 "
+        "(the default model's own Q4_1 weights)",
+    )
     block_size: int = Field(CacheConfig.block_size, description="tokens per KV block, a power of two")
     kv_cache_gib: float = Field(CacheConfig.kv_cache_memory_bytes / GIB, gt=0, description="memory for the KV cache")
     max_num_batched_tokens: int = Field(
@@ -55,6 +60,7 @@ class EngineOptions(BaseModel):
             model=self.model,
             dtype=self.dtype,
             device=self.device,
+            quantization=self.quantization,
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_bytes=int(self.kv_cache_gib * GIB),

@@ -53,6 +53,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     attention_backend: str = "torch"
+    quantization: str = "none"  # weight-only: none | int8 | int4 (pdserve/engine/quantization.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
@@ -60,5 +61,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
+        if self.quantization != "none" and not self.device.startswith("cpu"):
+            raise ValueError(f"--quantization {self.quantization} runs on torch's CPU kernels only, not {self.device}")
         if not self.model:
             raise ValueError("model must name an alias, a Hugging Face folder or a .gguf file")

@@ -18,6 +18,7 @@ from pdserve.engine.attention import BatchLayout, get_attention_backend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KvCacheSpec, KvCacheStorage, bytes_per_block, kv_caches_over
 from pdserve.engine.models.llama import LlamaModel, load_hf_weights, rotary_tables
+from pdserve.engine.quantization import quantize_linears
 from pdserve.engine.request import TokenLogprob
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import ScheduledRequest
@@ -75,7 +76,9 @@ class ModelRunner:
         if not tensors:
             raise ValueError(f"no *.safetensors weights in {model_path}")
         load_hf_weights(model, tensors)
-        return model.to(self.dtype).eval()
+        model = model.to(self.dtype).eval()
+        quantize_linears(model, config.quantization)
+        return model
 
     def _num_blocks_for(self, memory_bytes: int, hf_config: PretrainedConfig) -> int:
         attn = self.model.layers[0].self_attn

@@ -1,0 +1,233 @@
+"""What weight quantization costs in accuracy, next to what it buys in speed (`pdserve bench quality`).
+
+For each `--quantization` mode against float32, on the same weights:
+
+    agreement      teacher-forced greedy agreement: float32 generates `--tokens` greedy tokens
+                   after each prompt; both models then read the same sequences, and the share of
+                   positions where their argmax agrees is reported (a divergence does not
+                   cascade into the rest of the sequence)
+    first diverge  free-running greedy: per prompt, the index of the first token where the mode's
+                   own generation leaves float32's (none: identical for all `--tokens`)
+    perplexity     on a fixed English text, and its ratio to float32's
+    step ms        the offline decode step at batch 1 (median over `--tokens` steps)
+    floor ms       that step's weight-streaming floor: the bytes of weights one step reads
+                   (projections and LM head; the embedding reads one row) over the memory
+                   bandwidth measured here by a large tensor copy
+
+    pdserve bench quality [--model M] [--modes none,int8,int4] [--tokens 32] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.attention import BatchLayout
+from pdserve.engine.config import CacheConfig
+from pdserve.engine.kv_cache import KvCacheSpec, LocalKvCacheStorage, kv_caches_over
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Photosynthesis is the process by which",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "Water boils at a temperature of",
+    "The largest planet in the solar system is",
+    "In machine learning, overfitting means",
+    "Dear hiring manager, I am writing to",
+    "The French Revolution began in",
+    "A prime number is",
+]
+
+PERPLEXITY_TEXT = (
+    "The river rose slowly through the spring, fed by snow that melted on the northern hills. "
+    "Farmers along its banks watched the water each morning, measuring it against stones their "
+    "grandparents had marked. When the level passed the third stone, they moved the animals to "
+    "higher fields and carried seed grain into the lofts. Most years the flood stopped short of the "
+    "houses, leaving behind a layer of dark silt that made the next harvest rich. Children were "
+    "told stories of the great flood of the old king's reign, when the river reached the market "
+    "square and boats were rowed between the stalls. Nobody living had seen such a year, but the "
+    "stones were kept, and every spring someone walked down to read them.\n\n"
+    "A computer stores numbers in binary, as sequences of ones and zeros. Integers are exact, but "
+    "most fractions cannot be written exactly in binary, so floating-point numbers keep only the "
+    "most significant digits and an exponent. Adding a very small number to a very large one can "
+    "therefore lose the small number entirely. Programs that sum many values often sort them "
+    "first, or keep a running correction term, to limit the error. Such details rarely matter in "
+    "everyday code, yet they decide whether a simulation of the weather, a bank's ledger or a "
+    "spacecraft's trajectory can be trusted."
+)
+
+
+def sequence_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
+    """Logits after every position of one sequence ([len, vocab], float32), computed by the
+    engine's model in one prefill over a scratch KV cache of its own (the engine's is untouched)."""
+    runner = engine.model_runner
+    attn = runner.model.layers[0].self_attn
+    block_size = runner.block_size
+    num_blocks = -(-len(token_ids) // block_size)
+    spec = KvCacheSpec(
+        len(runner.model.layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim, runner.dtype, "cpu"
+    )
+    kv_caches = kv_caches_over(LocalKvCacheStorage().allocate(spec))
+    layout = BatchLayout(
+        query_lens=[len(token_ids)],
+        context_lens=[len(token_ids)],
+        block_tables=[list(range(num_blocks))],
+        num_decodes=0,
+        slot_mapping=torch.arange(len(token_ids)),
+        block_size=block_size,
+    )
+    with torch.inference_mode():
+        metadata = attn.backend.prepare(layout)
+        hidden = runner.model(torch.tensor(token_ids), torch.arange(len(token_ids)), kv_caches, metadata)
+        return runner.model.compute_logits(hidden)
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    return [out.token_ids for out in engine.generate(prompts, params)]
+
+
+def teacher_forced_agreement(reference: LLMEngine, engine: LLMEngine, prompts, continuations) -> float:
+    agree = total = 0
+    for prompt, continuation in zip(prompts, continuations):
+        sequence = prompt + continuation
+        region = slice(len(prompt) - 1, len(sequence) - 1)  # the positions that predict the continuation
+        expected = sequence_logits(reference, sequence)[region].argmax(-1)
+        predicted = sequence_logits(engine, sequence)[region].argmax(-1)
+        agree += int((expected == predicted).sum())
+        total += len(continuation)
+    return agree / total
+
+
+def first_divergence(reference_tokens: list[int], tokens: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(reference_tokens, tokens)) if a != b), None)
+
+
+def perplexity(engine: LLMEngine, text: str) -> float:
+    ids = engine.tokenizer(text)["input_ids"]
+    logits = sequence_logits(engine, ids)[:-1]
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return math.exp(float(nll))
+
+
+def decode_step_ms(engine: LLMEngine, prompt: list[int], num_tokens: int) -> float:
+    """Median time of one decode step at batch 1 (the engine's own loop, after the prefill)."""
+    engine.add_request("step-timing", prompt, SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True))
+    engine.step()  # the prefill
+    times = []
+    while engine.has_unfinished_requests:
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+def weight_bytes_per_step(engine: LLMEngine) -> int:
+    """Bytes of weights a batch-1 decode step reads: every buffer and parameter but the embedding table."""
+    model = engine.model_runner.model
+    embedding = model.embed_tokens.weight
+    tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers()) if t is not None}
+    tied_head = getattr(model.lm_head, "weight", None) is embedding
+    return sum(
+        t.numel() * t.element_size()
+        for ptr, t in tensors.items()
+        if (ptr != embedding.data_ptr() or tied_head) and t.dim() > 0 and t.numel() > 4096
+    )
+
+
+def memory_bandwidth_gbps(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Copy bandwidth (bytes read + bytes written per second) of a tensor far larger than the caches."""
+    source = torch.ones(num_bytes // 4)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = min(_timed(lambda: target.copy_(source)) for _ in range(repeats))
+    return 2 * num_bytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def measure(model: str, modes: Sequence[str], num_tokens: int) -> dict:
+    def engine_for(mode: str) -> LLMEngine:
+        cache = CacheConfig(kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
+        return LLMEngine(EngineConfig(model=model, quantization=mode, cache=cache))
+
+    reference = engine_for("none")
+    prompts = [reference.tokenizer(p)["input_ids"] for p in PROMPTS]
+    reference_tokens = greedy(reference, prompts, num_tokens)
+    reference_ppl = perplexity(reference, PERPLEXITY_TEXT)
+    bandwidth = memory_bandwidth_gbps()
+    results = {}
+    for mode in modes:
+        engine = reference if mode == "none" else engine_for(mode)
+        tokens = greedy(engine, prompts, num_tokens)
+        ppl = perplexity(engine, PERPLEXITY_TEXT)
+        step_ms = decode_step_ms(engine, prompts[0], num_tokens)
+        floor_ms = weight_bytes_per_step(engine) / (bandwidth / 2 * 1e9) * 1000  # reads only: half the copy traffic
+        results[mode] = {
+            "agreement": teacher_forced_agreement(reference, engine, prompts, reference_tokens),
+            "identical_sequences": sum(a == b for a, b in zip(reference_tokens, tokens)),
+            "first_divergence": [first_divergence(a, b) for a, b in zip(reference_tokens, tokens)],
+            "perplexity": ppl,
+            "perplexity_ratio": ppl / reference_ppl,
+            "step_ms": step_ms,
+            "floor_ms": floor_ms,
+            "weight_mb": weight_bytes_per_step(engine) / 1e6,
+        }
+    return {
+        "model": model,
+        "num_prompts": len(prompts),
+        "tokens": num_tokens,
+        "threads": torch.get_num_threads(),
+        "copy_bandwidth_gbps": bandwidth,
+        "cpu": platform.processor() or platform.machine(),
+        "modes": results,
+    }
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        f"{report['num_prompts']} prompts x {report['tokens']} greedy tokens; copy bandwidth "
+        f"{report['copy_bandwidth_gbps']:.1f} GB/s; {report['threads']} threads",
+        "| mode | agreement | identical sequences | first divergence | perplexity (ratio) | step ms | floor ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode, r in report["modes"].items():
+        diverged = [d for d in r["first_divergence"] if d is not None]
+        first = f"min {min(diverged)}" if diverged else "none"
+        lines.append(
+            f"| {mode} | {r['agreement']:.1%} | {r['identical_sequences']}/{report['num_prompts']} | {first} "
+            f"| {r['perplexity']:.3f} ({r['perplexity_ratio']:.4f}) | {r['step_ms']:.1f} | {r['floor_ms']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pdserve bench quality", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--modes", default="none,int8,int4", help="comma-separated --quantization modes")
+    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = measure(args.model, args.modes.split(","), args.tokens)
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)

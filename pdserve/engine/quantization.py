@@ -1,0 +1,134 @@
+"""Weight-only quantized linear layers (`--quantization none|int8|int4`) for CPU decode steps.
+
+A decode step at small batch streams every weight once per token, so its time is the weight
+bytes over the memory bandwidth: int8 reads a quarter of float32's bytes, int4 an eighth.
+Activations, norms, attention and the KV cache stay in the engine's dtype.
+
+    int8  per output channel, symmetric: w = q * scale, q in [-127, 127]
+    int4  groups of 32 along the input, asymmetric: w = q * scale + low, q in [0, 15]
+
+Batches of up to 16 rows (decode steps) run the C++ kernels of cpu_kernels/quantized_gemv.cpp,
+which read each weight byte once; torch's own kernels for these formats (_weight_int8pack_mm,
+_weight_int4pack_mm_for_cpu) ran 2-8x slower than float32 on this machine (docs/benchmarks.md).
+Larger batches (prefill chunks) are compute-bound: the weights are dequantized for one dense matmul.
+
+The default model ships as Q4_1 GGUF blocks: 32 weights with w = d * q + m, q in [0, 15]. Those
+are int4 groups of 32 exactly, and quantizing the dequantized float32 weights again finds the
+same d and m (each block's smallest and largest q are 0 and 15), so `int4` computes with the very
+weights the GGUF holds (tests/pdserve/engine/test_quantization.py checks this on the packaged file).
+The LM head, tied to the Q8_0 embedding table, takes int8 in both modes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.engine.cpu_kernels import quantized_gemv
+
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP_SIZE = 32  # a Q4_1 block
+MAX_GEMV_ROWS = 16  # the C++ kernels' limit (kMaxRows)
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale).T + bias, with q int8 [out, in] and one scale per output channel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= MAX_GEMV_ROWS:
+            y = quantized_gemv().int8_linear(rows.float().contiguous(), self.qweight, self.scale).to(x.dtype)
+        else:
+            y = torch.nn.functional.linear(rows, self.dequantized().to(x.dtype))
+        y = y.view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scale[:, None]
+
+
+def int4_quantize(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE):
+    """(q int32 [out, in] in [0, 15], scale [out, groups], low [out, groups]): each group of
+    `group_size` input channels spans its own [low, low + 15 * scale]."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"int4 needs in_features ({in_features}) divisible by the group size {group_size}")
+    groups = weight.detach().float().view(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    return q.view(out_features, in_features), scale, low
+
+
+def int4_dequantize(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    out_features, num_groups = scale.shape
+    groups = q.view(out_features, num_groups, -1).float()
+    return (groups * scale[..., None] + low[..., None]).view(out_features, -1)
+
+
+def int4_pack(q: torch.Tensor) -> torch.Tensor:
+    """[out, in] values in [0, 15] -> [out, in / 2] bytes: in each group of 32, byte j holds
+    input j (low nibble) and input 16 + j (high nibble), the layout quantized_gemv.cpp reads."""
+    out_features, in_features = q.shape
+    halves = q.to(torch.uint8).view(out_features, in_features // INT4_GROUP_SIZE, 2, INT4_GROUP_SIZE // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
+
+
+def int4_unpack(packed: torch.Tensor) -> torch.Tensor:
+    out_features, half = packed.shape
+    groups = packed.view(out_features, -1, INT4_GROUP_SIZE // 2)
+    return torch.stack([groups & 15, groups >> 4], dim=2).reshape(out_features, half * 2).to(torch.int32)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ w.T + bias, w in asymmetric int4 groups of 32 input channels."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        q, scale, low = int4_quantize(weight)
+        self.register_buffer("packed", int4_pack(q))
+        self.register_buffer("scale", scale.contiguous())
+        self.register_buffer("low", low.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= MAX_GEMV_ROWS:
+            y = quantized_gemv().int4_linear(rows.float().contiguous(), self.packed, self.scale, self.low).to(x.dtype)
+        else:
+            y = torch.nn.functional.linear(rows, self.dequantized().to(x.dtype))
+        y = y.view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        return int4_dequantize(int4_unpack(self.packed), self.scale, self.low)
+
+
+def quantize_linears(model: nn.Module, mode: str) -> None:
+    """Replaces the model's projections (and its LM head, with int8) in place; `none` keeps them."""
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
+    if mode == "none":
+        return
+    for layer in model.layers:
+        for parent, name in (
+            (layer.self_attn, "qkv_proj"),
+            (layer.self_attn, "o_proj"),
+            (layer.mlp, "gate_up_proj"),
+            (layer.mlp, "down_proj"),
+        ):
+            setattr(parent, name, _quantized(getattr(parent, name), mode))
+    # A tied head shares the embedding's Parameter: the embedding keeps it, the head gets a copy.
+    model.lm_head = Int8Linear(model.lm_head.weight, None)
+
+
+def _quantized(linear: nn.Linear, mode: str) -> nn.Module:
+    return Int8Linear(linear.weight, linear.bias) if mode == "int8" else Int4Linear(linear.weight, linear.bias)

@@ -1,0 +1,127 @@
+"""Weight-only int8 / int4 linear layers (pdserve/engine/quantization.py): the kernels compute what
+the dequantized weights compute, int4 holds the default model's Q4_1 weights exactly, and the
+quantized engine's greedy tokens agree with float32's on the default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.engine.model_loader import resolve_model
+from pdserve.engine.quantization import (
+    Int4Linear,
+    Int8Linear,
+    int4_dequantize,
+    int4_pack,
+    int4_quantize,
+    int4_unpack,
+    quantize_linears,
+)
+from tests.factories import build_tiny_model
+
+
+@pytest.fixture
+def linear() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(128, 96, bias=True)
+    layer.bias.data.normal_()
+    return layer
+
+
+def test_int8_linear_computes_with_its_dequantized_weights_close_to_float(linear):
+    x = torch.randn(2, 5, 128)
+    quantized = Int8Linear(linear.weight, linear.bias)
+    exact = torch.nn.functional.linear(x, quantized.dequantized(), linear.bias)
+    torch.testing.assert_close(quantized(x), exact, rtol=1e-4, atol=1e-4)
+    relative = (quantized(x) - linear(x)).norm() / linear(x).norm()
+    assert relative < 0.01  # 8 bits per channel
+
+
+def test_int4_linear_computes_with_its_dequantized_weights(linear):
+    x = torch.randn(7, 128)
+    quantized = Int4Linear(linear.weight, linear.bias)
+    exact = torch.nn.functional.linear(x, int4_dequantize(*int4_quantize(linear.weight)), linear.bias)
+    torch.testing.assert_close(quantized(x), exact, rtol=1e-4, atol=1e-4)
+    relative = (quantized(x) - linear(x)).norm() / linear(x).norm()
+    assert 0.01 < relative < 0.15  # 4 bits in groups of 32: coarse, not broken
+
+
+def test_weights_already_on_an_int4_grid_quantize_losslessly():
+    torch.manual_seed(1)
+    q = torch.randint(0, 16, (64, 96), dtype=torch.int32)
+    q[:, ::32] = 0  # every group of 32 spans its whole range, as a Q4_1 block does
+    q[:, 1::32] = 15
+    scale, low = torch.rand(64, 3) / 10, torch.randn(64, 3)
+    weight = int4_dequantize(q, scale, low)
+    assert torch.equal(int4_quantize(weight)[0], q)
+    torch.testing.assert_close(int4_dequantize(*int4_quantize(weight)), weight, rtol=0, atol=1e-6)
+
+
+def test_int4_holds_the_default_models_q4_1_weights_exactly():
+    """Every projection of the packaged model was Q4_1 in the GGUF: requantizing the converted
+    float32 weights in groups of 32 gives them back (to float rounding)."""
+    tensors = load_file(str(resolve_model("smollm2-135m").path / "model.safetensors"))
+    projections = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+    for module, names in projections.items():
+        for name in names:
+            weight = tensors[f"model.layers.3.{module}.{name}.weight"]
+            error = (int4_dequantize(*int4_quantize(weight)) - weight).abs().max()
+            assert error <= 1e-6 * weight.abs().max(), (name, float(error))
+
+
+def test_quantize_linears_replaces_every_projection_and_the_head(tmp_path):
+    from transformers import AutoConfig
+
+    from pdserve.engine.attention import get_attention_backend
+    from pdserve.engine.models.llama import LlamaModel
+
+    config = AutoConfig.from_pretrained(build_tiny_model(tmp_path))
+    backend = get_attention_backend("torch", config.num_attention_heads, config.num_key_value_heads, 16)
+    model = LlamaModel(config, backend)
+    quantize_linears(model, "int4")
+    layer = model.layers[0]
+    kinds = {
+        type(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    }
+    assert kinds == {Int4Linear} and isinstance(model.lm_head, Int8Linear)
+    with pytest.raises(ValueError, match="quantization must be"):
+        quantize_linears(model, "int3")
+
+
+def test_quantization_is_cpu_only_and_named():
+    with pytest.raises(ValueError, match="CPU kernels only"):
+        EngineConfig(quantization="int8", device="cuda")
+    with pytest.raises(ValueError, match="none, int8 or int4"):
+        EngineConfig(quantization="fp8")
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 16, 17, 40])  # the C++ kernels up to 16 rows, a dense matmul above
+def test_both_paths_compute_with_the_dequantized_weights(linear, num_rows):
+    x = torch.randn(num_rows, 128)
+    for quantized in (Int8Linear(linear.weight, linear.bias), Int4Linear(linear.weight, linear.bias)):
+        exact = torch.nn.functional.linear(x, quantized.dequantized(), linear.bias)
+        torch.testing.assert_close(quantized(x), exact, rtol=1e-4, atol=1e-4)
+
+
+def test_int4_packing_round_trips_and_matches_the_kernels_layout():
+    q = torch.randint(0, 16, (8, 64), dtype=torch.int32)
+    packed = int4_pack(q)
+    assert packed.shape == (8, 32) and packed.dtype == torch.uint8
+    assert torch.equal(int4_unpack(packed), q)
+    # Byte j of a group: input j in the low nibble, input 16 + j in the high one.
+    assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 16]) << 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_greedy_tokens_agree_with_float32_on_the_default_model(mode):
+    """Teacher-forced: both models read float32's greedy continuations (pdserve bench quality)."""
+    from pdserve.bench.quality import PROMPTS, greedy, teacher_forced_agreement
+
+    reference = LLMEngine(EngineConfig(model="smollm2-135m"))
+    quantized = LLMEngine(EngineConfig(model="smollm2-135m", quantization=mode))
+    prompts = [reference.tokenizer(p)["input_ids"] for p in PROMPTS[:6]]
+    continuations = greedy(reference, prompts, 16)
+    assert teacher_forced_agreement(reference, quantized, prompts, continuations) >= 0.95
