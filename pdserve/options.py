@@ -42,6 +42,11 @@ class EngineOptions(BaseModel):
     model: str = Field(DEFAULT_MODEL, description=MODEL_HELP)
     dtype: Literal["float32", "bfloat16", "float16"] = Field(EngineConfig.dtype, description="weights and KV cache")
     device: str = Field(EngineConfig.device, description="torch device")
+    attention_backend: Literal["torch", "cpu"] = Field(
+        EngineConfig.attention_backend,
+        description="torch: SDPA over gathered context; cpu: decode attention read in place from the "
+        "paged cache by a C++ kernel (float32 on CPU; compiled on first use)",
+    )
     quantization: Literal["none", "int8", "int4"] = Field(
         EngineConfig.quantization,
         description="weight-only quantized linear layers on CPU: int8 per channel, int4 in groups of 32 "
@@ -61,6 +66,7 @@ class EngineOptions(BaseModel):
             dtype=self.dtype,
             device=self.device,
             quantization=self.quantization,
+            attention_backend=self.attention_backend,
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_bytes=int(self.kv_cache_gib * GIB),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.engine.cpu_kernels import quantized_gemv
+from pdserve.engine.cpu_kernels import cpu_kernels
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32  # a Q4_1 block
@@ -45,7 +45,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= MAX_GEMV_ROWS:
-            y = quantized_gemv().int8_linear(rows.float().contiguous(), self.qweight, self.scale).to(x.dtype)
+            y = cpu_kernels().int8_linear(rows.float().contiguous(), self.qweight, self.scale).to(x.dtype)
         else:
             y = torch.nn.functional.linear(rows, self.dequantized().to(x.dtype))
         y = y.view(*x.shape[:-1], -1)
@@ -102,7 +102,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= MAX_GEMV_ROWS:
-            y = quantized_gemv().int4_linear(rows.float().contiguous(), self.packed, self.scale, self.low).to(x.dtype)
+            y = cpu_kernels().int4_linear(rows.float().contiguous(), self.packed, self.scale, self.low).to(x.dtype)
         else:
             y = torch.nn.functional.linear(rows, self.dequantized().to(x.dtype))
         y = y.view(*x.shape[:-1], -1)

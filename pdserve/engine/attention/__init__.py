@@ -3,9 +3,10 @@
 The factory lives here, so `backend.py` (the interface) knows no implementation."""
 
 from pdserve.engine.attention.backend import AttentionBackend, BatchLayout
+from pdserve.engine.attention.cpu_backend import CpuAttentionBackend
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
 
 __all__ = ["BACKENDS", "AttentionBackend", "BatchLayout", "get_attention_backend"]
 

@@ -29,6 +29,7 @@ class _PaddedGroup:
     mask: torch.Tensor  # [B, 1, group * Lq, Lk] True where a query may attend
     query_index: torch.Tensor | None = None  # [B, Lq] flat token index of each query (prefill)
     query_valid: torch.Tensor | None = None  # [B, Lq] False on padding rows (prefill)
+    context_lens: torch.Tensor | None = None  # [B] (decode, for backends that read blocks in place)
 
 
 @dataclass

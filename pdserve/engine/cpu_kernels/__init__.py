@@ -21,21 +21,21 @@ logger = logging.getLogger(__name__)
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-mprefer-vector-width=512"]
 
 
+SOURCES = ("quantized_gemv.cpp", "paged_attention.cpp", "bindings.cpp")
+
+
 @functools.cache
-def quantized_gemv():
-    """int8_linear(x, q, scale) and int4_linear(x, packed, scale, low): see quantized_gemv.cpp."""
-    return _load("quantized_gemv")
-
-
-def _load(name: str):
+def cpu_kernels():
+    """int8_linear, int4_linear (quantized_gemv.cpp) and paged_decode_attention (paged_attention.cpp)."""
     from torch.utils.cpp_extension import load
 
-    source = Path(__file__).with_name(f"{name}.cpp")
-    tag = hashlib.sha256(source.read_bytes() + " ".join(COMPILE_FLAGS).encode() + _cpu_flags()).hexdigest()[:12]
-    logger.info("loading the %s CPU kernels (compiled once per machine, about a minute)", name)
+    sources = [Path(__file__).with_name(name) for name in SOURCES]
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in sources))
+    digest.update(" ".join(COMPILE_FLAGS).encode() + _cpu_flags())
+    logger.info("loading pdserve's CPU kernels (compiled once per machine, about a minute)")
     return load(
-        name=f"pdserve_{name}_{tag}",
-        sources=[str(source)],
+        name=f"pdserve_cpu_kernels_{digest.hexdigest()[:12]}",
+        sources=[str(source) for source in sources],
         extra_cflags=COMPILE_FLAGS,
         extra_ldflags=["-fopenmp"],
         verbose=False,

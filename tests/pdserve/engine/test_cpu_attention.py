@@ -1,0 +1,78 @@
+"""`--attention-backend cpu`: decode attention read in place from the paged cache by the C++
+kernel, against the torch backend (gather + SDPA) on the same cache, and end to end against
+transformers on the default model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.attention import BatchLayout, get_attention_backend
+from tests.factories import load_reference, reference_greedy
+
+
+def decode_batch(context_lens: list[int], num_heads: int, num_kv_heads: int, block_size: int, seed: int = 0):
+    """A filled cache, scattered block tables and one new token per sequence."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    head_dim = 64
+    num_blocks = sum(-(-n // block_size) for n in context_lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in context_lens]
+    slots = [table[(n - 1) // block_size] * block_size + (n - 1) % block_size for table, n in zip(tables, context_lens)]
+    layout = BatchLayout(
+        query_lens=[1] * len(context_lens),
+        context_lens=context_lens,
+        block_tables=tables,
+        num_decodes=len(context_lens),
+        slot_mapping=torch.tensor(slots),
+        block_size=block_size,
+    )
+    q = torch.randn(len(context_lens), num_heads, head_dim)
+    k = torch.randn(len(context_lens), num_kv_heads, head_dim)
+    v = torch.randn(len(context_lens), num_kv_heads, head_dim)
+    return layout, (q, k, v), (k_cache, v_cache)
+
+
+@pytest.mark.parametrize(
+    ("context_lens", "num_heads", "num_kv_heads", "block_size"),
+    [
+        ([1], 4, 4, 16),  # one token: the first step after a one-token prompt
+        ([16, 17, 32, 33], 9, 3, 16),  # block boundaries; the default model's GQA ratio 3
+        ([5, 300, 1, 64], 8, 1, 16),  # multi-query attention, mixed lengths
+        ([100, 7], 6, 2, 8),  # a smaller block size
+    ],
+)
+def test_in_place_decode_attention_equals_the_torch_backend(context_lens, num_heads, num_kv_heads, block_size):
+    layout, (q, k, v), cache = decode_batch(context_lens, num_heads, num_kv_heads, block_size)
+    outputs = []
+    for name in ("torch", "cpu"):
+        backend = get_attention_backend(name, num_heads, num_kv_heads, 64)
+        cache_copy = tuple(c.clone() for c in cache)
+        outputs.append(backend.forward(q, k, v, cache_copy, backend.prepare(layout)))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_other_dtypes_fall_back_to_the_torch_path():
+    layout, (q, k, v), cache = decode_batch([20, 3], 4, 2, 16)
+    backend = get_attention_backend("cpu", 4, 2, 64)
+    half = [t.bfloat16() for t in (q, k, v)]
+    out = backend.forward(*half, tuple(c.bfloat16() for c in cache), backend.prepare(layout))
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+
+
+@pytest.mark.slow
+def test_the_default_model_with_the_cpu_backend_matches_transformers_greedy():
+    engine = LLMEngine(EngineConfig(model="smollm2-135m", attention_backend="cpu"))
+    prompts = [engine.tokenizer(text)["input_ids"] for text in ("The capital of France is", "def fibonacci(n):")]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    reference = load_reference(engine.model_path)
+    for prompt, out in zip(prompts, outputs):
+        expected, _ = reference_greedy(reference, prompt, 24)
+        assert out.token_ids == expected
