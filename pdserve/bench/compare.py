@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import platform
+import shlex
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -36,6 +37,7 @@ from pathlib import Path
 
 from pdserve.bench import offline
 from pdserve.bench.client import ClientConfig
+from pdserve.bench.llama_peer import GGUF_TYPES
 from pdserve.bench.metrics import Distribution
 from pdserve.bench.results import LevelResult, Load
 from pdserve.bench.serving import run_benchmark
@@ -141,11 +143,38 @@ def run_cluster(system: str, args: argparse.Namespace, tokenizer) -> list[LevelR
 
     loads = [Load(concurrency=c, num_requests=max(c, args.min_requests)) for c in args.concurrency]
     tag_to_num_requests = {load.tag: load.num_requests for load in loads} | {"warmup": offline.NUM_WARMUP_REQUESTS}
-    plan = LaunchPlan(model=args.model, port=free_port(), colocated=CLUSTER_SYSTEMS[system])
+    plan = LaunchPlan(
+        model=args.model,
+        port=free_port(),
+        colocated=CLUSTER_SYSTEMS[system],
+        node_args=tuple(shlex.split(args.pdserve_flags)),
+    )
     started_s = time.perf_counter()
     with Launcher(plan) as cluster:
         logger.info("%s ready in %.0f s", system, time.perf_counter() - started_s)
         client_config = ClientConfig(base_url=cluster.base_url, endpoint="completions", timeout_s=args.timeout_s)
+
+        def source(tag: str) -> Iterator[Conversation]:
+            return iter(conversations_for(tokenizer, tag, tag_to_num_requests[tag], args.input_len, args.output_len))
+
+        _, results = asyncio.run(run_benchmark(client_config, loads, source, num_warmup=offline.NUM_WARMUP_REQUESTS))
+    return results
+
+
+def run_llama(gguf_type: str, gguf_file: Path, args: argparse.Namespace, tokenizer) -> list[LevelResult]:
+    """One llama-server configuration under the clusters' very load (bench/llama_peer.py)."""
+    from pdserve.bench.llama_peer import LlamaServer
+    from pdserve.cluster_state.embedded_redis import free_port
+
+    loads = [Load(concurrency=c, num_requests=max(c, args.min_requests)) for c in args.concurrency]
+    tag_to_num_requests = {load.tag: load.num_requests for load in loads} | {"warmup": offline.NUM_WARMUP_REQUESTS}
+    context_per_slot = args.input_len + args.output_len + 64
+    server = LlamaServer(
+        args.llama_server, gguf_file, free_port(), os.cpu_count() or 1, args.llama_parallel, context_per_slot
+    )
+    with server:
+        logger.info("llama.cpp %s ready: %s", gguf_type, " ".join(server.command))
+        client_config = ClientConfig(base_url=server.base_url, endpoint="completions", timeout_s=args.timeout_s)
 
         def source(tag: str) -> Iterator[Conversation]:
             return iter(conversations_for(tokenizer, tag, tag_to_num_requests[tag], args.input_len, args.output_len))
@@ -179,6 +208,15 @@ def run_compare(args: argparse.Namespace) -> tuple[list[CompareRow], list[str], 
         rows += [row_from_level(system, result) for result in results]
         notes += check_results(system, results, args.output_len)
         raw[system] = [{"load": asdict(r.load), "metrics": asdict(r.metrics)} for r in results]
+    if args.llama_server:
+        from pdserve.bench.llama_peer import gguf_files
+
+        for gguf_type, gguf_file in gguf_files(args.model, args.gguf_dir, tuple(args.llama_types)).items():
+            system = f"llama.cpp {gguf_type}"
+            results = run_llama(gguf_type, gguf_file, args, tokenizer)
+            rows += [row_from_level(system, result) for result in results]
+            notes += check_results(system, results, args.output_len)
+            raw[system] = [{"load": asdict(r.load), "metrics": asdict(r.metrics)} for r in results]
     offline_systems = [s for s in OFFLINE_SYSTEMS if s in args.systems]
     if offline_systems:
         system_to_runner, _ = offline.build_runners(args.model, offline_systems)
@@ -218,6 +256,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--naive-max-requests", type=int, default=4, help="naive is timed on at most this many requests per concurrency"
+    )
+    parser.add_argument(
+        "--pdserve-flags", default="", help="engine flags for pdserve's nodes, e.g. '--quantization int8'"
+    )
+    peer = parser.add_argument_group("llama.cpp peer (bench/llama_peer.py)")
+    peer.add_argument("--llama-server", type=Path, help="a llama-server binary: adds llama.cpp rows")
+    peer.add_argument(
+        "--llama-types", type=offline.name_list(GGUF_TYPES), default=list(GGUF_TYPES), help=",".join(GGUF_TYPES)
+    )
+    peer.add_argument("--llama-parallel", type=int, default=8, help="llama-server's slots (-np)")
+    peer.add_argument(
+        "--gguf-dir", type=Path, default=Path.home() / ".cache" / "pdserve" / "gguf", help="where F16/F32 files go"
     )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     parser.add_argument("--output", type=Path, help="also write the markdown here")
