@@ -41,7 +41,7 @@ from pdserve.bench.llama_peer import GGUF_TYPES
 from pdserve.bench.metrics import Distribution
 from pdserve.bench.results import LevelResult, Load
 from pdserve.bench.serving import run_benchmark
-from pdserve.bench.workloads import Conversation, user
+from pdserve.bench.workloads import Conversation, WorkloadConfig, iter_conversations, user
 from pdserve.options import add_model_flag
 
 logger = logging.getLogger(__name__)
@@ -136,6 +136,26 @@ def conversations_for(tokenizer, tag: str, num_requests: int, input_len: int, ou
     return [Conversation(index, ((user(prompt),),), (output_len,)) for index, prompt in enumerate(prompts)]
 
 
+def conversation_source(args: argparse.Namespace, tokenizer, tag_to_num_requests: dict[str, int]):
+    """tag -> the conversations every system gets: the offline peers' synthetic prompts, or chats
+    with shared system prompts (`--workload chat`, bench/workloads.py)."""
+    if args.workload == "chat":
+        config = WorkloadConfig(
+            kind="chat",
+            input_len=args.chat_turn_len,
+            output_len=args.output_len,
+            num_prefixes=args.num_prefixes,
+            prefix_len=args.prefix_len,
+            num_turns=args.num_turns,
+        )
+        return lambda tag: iter_conversations(config, tag)
+
+    def synthetic(tag: str) -> Iterator[Conversation]:
+        return iter(conversations_for(tokenizer, tag, tag_to_num_requests[tag], args.input_len, args.output_len))
+
+    return synthetic
+
+
 def run_cluster(system: str, args: argparse.Namespace, tokenizer) -> list[LevelResult]:
     """Starts one cluster mode, sweeps the concurrency levels through its gateway, stops it."""
     from pdserve.cluster_state.embedded_redis import free_port
@@ -154,9 +174,7 @@ def run_cluster(system: str, args: argparse.Namespace, tokenizer) -> list[LevelR
         logger.info("%s ready in %.0f s", system, time.perf_counter() - started_s)
         client_config = ClientConfig(base_url=cluster.base_url, endpoint="completions", timeout_s=args.timeout_s)
 
-        def source(tag: str) -> Iterator[Conversation]:
-            return iter(conversations_for(tokenizer, tag, tag_to_num_requests[tag], args.input_len, args.output_len))
-
+        source = conversation_source(args, tokenizer, tag_to_num_requests)
         _, results = asyncio.run(run_benchmark(client_config, loads, source, num_warmup=offline.NUM_WARMUP_REQUESTS))
     return results
 
@@ -168,7 +186,10 @@ def run_llama(gguf_type: str, gguf_file: Path, args: argparse.Namespace, tokeniz
 
     loads = [Load(concurrency=c, num_requests=max(c, args.min_requests)) for c in args.concurrency]
     tag_to_num_requests = {load.tag: load.num_requests for load in loads} | {"warmup": offline.NUM_WARMUP_REQUESTS}
-    context_per_slot = args.input_len + args.output_len + 64
+    if args.workload == "chat":
+        context_per_slot = args.prefix_len + args.num_turns * (args.chat_turn_len + args.output_len) + 256
+    else:
+        context_per_slot = args.input_len + args.output_len + 64
     server = LlamaServer(
         args.llama_server, gguf_file, free_port(), os.cpu_count() or 1, args.llama_parallel, context_per_slot
     )
@@ -176,9 +197,7 @@ def run_llama(gguf_type: str, gguf_file: Path, args: argparse.Namespace, tokeniz
         logger.info("llama.cpp %s ready: %s", gguf_type, " ".join(server.command))
         client_config = ClientConfig(base_url=server.base_url, endpoint="completions", timeout_s=args.timeout_s)
 
-        def source(tag: str) -> Iterator[Conversation]:
-            return iter(conversations_for(tokenizer, tag, tag_to_num_requests[tag], args.input_len, args.output_len))
-
+        source = conversation_source(args, tokenizer, tag_to_num_requests)
         _, results = asyncio.run(run_benchmark(client_config, loads, source, num_warmup=offline.NUM_WARMUP_REQUESTS))
     return results
 
@@ -257,6 +276,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--naive-max-requests", type=int, default=4, help="naive is timed on at most this many requests per concurrency"
     )
+    parser.add_argument(
+        "--workload",
+        choices=["synthetic", "chat"],
+        default="synthetic",
+        help="synthetic: --input-len token prompts; chat: --num-turns turns of --chat-turn-len tokens after "
+        "one of --num-prefixes shared system prompts of --prefix-len tokens",
+    )
+    parser.add_argument("--chat-turn-len", type=int, default=48, help="chat: tokens per user message")
+    parser.add_argument("--num-turns", type=int, default=4, help="chat: turns per conversation")
+    parser.add_argument("--num-prefixes", type=int, default=2, help="chat: distinct system prompts")
+    parser.add_argument("--prefix-len", type=int, default=512, help="chat: system prompt tokens")
     parser.add_argument(
         "--pdserve-flags", default="", help="engine flags for pdserve's nodes, e.g. '--quantization int8'"
     )

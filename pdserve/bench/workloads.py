@@ -8,6 +8,8 @@ Single-turn workloads (synthetic, shared-prefix, most JSONL files) are conversat
                   uniformly within +-range_ratio, as vLLM's random dataset does)
   shared-prefix   one of K system prompts of prefix_len tokens, then a distinct question
   multi-turn      num_turns user messages of ~input_len tokens each
+  chat            multi-turn after one of K system prompts of prefix_len tokens (a chat
+                  application: the system prompt and the earlier turns are a prefix to reuse)
   jsonl           one {"prompt": ...} or {"messages": [...]} per line, optional "max_tokens"
 
 Prompts are built from common English words that most BPE tokenizers (SmolLM2's among them)
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("synthetic", "shared-prefix", "multi-turn", "jsonl")
+WORKLOADS = ("synthetic", "shared-prefix", "multi-turn", "chat", "jsonl")
 
 Message = dict[str, Any]  # {"role": ..., "content": str, or token ids for the completions endpoint}
 
@@ -93,7 +95,8 @@ def iter_conversations(config: WorkloadConfig, tag: str = "") -> Iterator[Conver
         records = load_jsonl(config.dataset, config.output_len)
         for index, (messages, max_tokens) in enumerate(itertools.cycle(records)):
             yield Conversation(index, (messages,), (max_tokens,))
-    builder = {"synthetic": _synthetic, "shared-prefix": _shared_prefix, "multi-turn": _multi_turn}[config.kind]
+    builders = {"synthetic": _synthetic, "shared-prefix": _shared_prefix, "multi-turn": _multi_turn, "chat": _chat}
+    builder = builders[config.kind]
     for index in itertools.count():
         yield builder(config, tag, index)
 
@@ -127,6 +130,14 @@ def _multi_turn(config: WorkloadConfig, tag: str, index: int) -> Conversation:
     )
     max_tokens = tuple(sample_length(rng, config.output_len, config.range_ratio) for _ in range(config.num_turns))
     return Conversation(index, turns, max_tokens)
+
+
+def _chat(config: WorkloadConfig, tag: str, index: int) -> Conversation:
+    prefix_index = _rng(config, tag, f"{index}/system").randrange(config.num_prefixes)
+    system_prompt = random_words(_rng(config, tag, f"prefix{prefix_index}"), config.prefix_len)
+    conversation = _multi_turn(config, tag, index)
+    first_turn = ({"role": "system", "content": system_prompt}, *conversation.turns[0])
+    return Conversation(index, (first_turn, *conversation.turns[1:]), conversation.max_tokens)
 
 
 def user(content: str | list[int]) -> Message:

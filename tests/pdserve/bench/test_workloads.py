@@ -131,3 +131,14 @@ def test_token_ids_cannot_be_joined_with_other_messages():
 def test_bad_configs_say_how_to_fix_them(overrides, message):
     with pytest.raises(ValueError, match=message):
         WorkloadConfig(**overrides)
+
+
+def test_chat_conversations_share_system_prompts_and_then_take_turns():
+    config = WorkloadConfig(kind="chat", num_prefixes=2, prefix_len=20, num_turns=3, input_len=5, output_len=4)
+    conversations = take(config, 12)
+    system_prompts = {c.turns[0][0]["content"] for c in conversations}
+    assert len(system_prompts) == 2  # every conversation starts with one of the K shared prompts
+    for conversation in conversations:
+        assert conversation.num_turns == 3 and conversation.max_tokens == (4, 4, 4)
+        assert conversation.turns[0][0]["role"] == "system" and len(conversation.turns[0][0]["content"].split()) == 20
+        assert [m["role"] for turn in conversation.turns[1:] for m in turn] == ["user", "user"]
