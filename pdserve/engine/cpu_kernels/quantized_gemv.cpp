@@ -1,7 +1,9 @@
 // Weight-only int8 / int4 matrix products for small batches (decode steps): y = x @ W.T with W
 // streamed from memory once per call. torch's own CPU kernels for these formats
 // (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) ran 2-8x slower than float32 here, so a
-// decode step got slower with fewer bytes. These loops are written for the compiler's
+// decode step got slower with fewer bytes. One row of x (batch 1) converts weights in registers
+// as it streams them; several rows (a decode batch) convert each weight row once into a buffer
+// that every row of x then reads (4-5x faster at 8 rows). These loops are written for the compiler's
 // vectorizer (-O3 -march=native, OpenMP simd pragmas) and split the output rows over torch's threads.
 //
 // int8:  q [N, K] int8, scale [N]             w[n, k] = q[n, k] * scale[n]
@@ -10,6 +12,8 @@
 //        both halves meet contiguous runs of x.  w[n, k] = q[n, k] * scale[n, g] + low[n, g]
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include <vector>
 
 namespace pdserve {
 
@@ -30,6 +34,55 @@ void check_input(const torch::Tensor& x, int64_t K) {
 
 }  // namespace
 
+// y[m, n] = scale * (x[m] . w) for every row m of x: four rows at a time, four independent
+// chains per load of w.
+inline void dot_rows(const float* xs, const float* w, int64_t M, int64_t N, int64_t K, int64_t n, float scale,
+                     float* ys) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) {
+    const float *x0 = xs + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int64_t k = 0; k < K; ++k) {
+      a0 += x0[k] * w[k];
+      a1 += x1[k] * w[k];
+      a2 += x2[k] * w[k];
+      a3 += x3[k] * w[k];
+    }
+    ys[m * N + n] = a0 * scale;
+    ys[(m + 1) * N + n] = a1 * scale;
+    ys[(m + 2) * N + n] = a2 * scale;
+    ys[(m + 3) * N + n] = a3 * scale;
+  }
+  for (; m < M; ++m) {
+    const float* xr = xs + m * K;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t k = 0; k < K; ++k) acc += xr[k] * w[k];
+    ys[m * N + n] = acc * scale;
+  }
+}
+
+// Several rows of x (a decode batch): each weight row is converted to float once, into a small
+// buffer, and then serves every row of x, instead of being converted once per row of x (the
+// conversions, not the multiply-adds, bound the single-row loop).
+static void int8_linear_batched(const float* xs, const int8_t* qs, const float* scales, float* ys, int64_t M, int64_t N,
+                         int64_t K) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);
+    for (int64_t n = begin; n < end; ++n) {
+      const int8_t* q = qs + n * K;
+      if (n + kPrefetchRows < end) {
+        for (int64_t offset = 0; offset < K; offset += 64) __builtin_prefetch(q + kPrefetchRows * K + offset);
+      }
+      float* w = row.data();
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k) w[k] = static_cast<float>(q[k]);
+      dot_rows(xs, row.data(), M, N, K, n, scales[n], ys);
+    }
+  });
+}
+
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
   const int64_t N = q.size(0), K = q.size(1), M = x.size(0);
   check_input(x, K);
@@ -40,6 +93,10 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
   const int8_t* qs = q.data_ptr<int8_t>();
   const float* scales = scale.data_ptr<float>();
   float* ys = y.data_ptr<float>();
+  if (M > 1) {
+    int8_linear_batched(xs, qs, scales, ys, M, N, K);
+    return y;
+  }
   // Four rows at a time: four independent accumulator chains share each load of x (one chain
   // alone waits on the FMA latency, not on memory).
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
@@ -81,6 +138,32 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
   return y;
 }
 
+// The int4 counterpart of int8_linear_batched: each weight row is dequantized once into a buffer.
+static void int4_linear_batched(const float* xs, const uint8_t* ps, const float* scales, const float* lows,
+                                float* ys, int64_t M, int64_t N, int64_t K) {
+  const int64_t G = K / kGroup;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* bytes = ps + n * (K / 2);
+      if (n + kPrefetchRows < end) {
+        for (int64_t offset = 0; offset < K / 2; offset += 64) __builtin_prefetch(bytes + kPrefetchRows * (K / 2) + offset);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* b = bytes + g * (kGroup / 2);
+        float* w = row.data() + g * kGroup;
+        const float s = scales[n * G + g], low = lows[n * G + g];
+#pragma omp simd
+        for (int64_t j = 0; j < kGroup / 2; ++j) {
+          w[j] = static_cast<float>(b[j] & 15) * s + low;
+          w[j + kGroup / 2] = static_cast<float>(b[j] >> 4) * s + low;
+        }
+      }
+      dot_rows(xs, row.data(), M, N, K, n, 1.f, ys);
+    }
+  });
+}
+
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low) {
   const int64_t N = packed.size(0), K = packed.size(1) * 2, M = x.size(0), G = K / kGroup;
@@ -98,6 +181,10 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   const float* scales = scale.data_ptr<float>();
   const float* lows = low.data_ptr<float>();
   float* ys = y.data_ptr<float>();
+  if (M > 1) {
+    int4_linear_batched(xs, ps, scales, lows, ys, M, N, K);
+    return y;
+  }
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = ps + n * (K / 2);
