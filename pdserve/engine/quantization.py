@@ -7,7 +7,7 @@ Activations, norms, attention and the KV cache stay in the engine's dtype.
     int8  per output channel, symmetric: w = q * scale, q in [-127, 127]
     int4  groups of 32 along the input, asymmetric: w = q * scale + low, q in [0, 15]
 
-Batches of up to 16 rows (decode steps) run the C++ kernels of cpu_kernels/quantized_gemv.cpp,
+Batches of up to 64 rows (decode steps) run the C++ kernels of cpu_kernels/quantized_gemv.cpp,
 which read each weight byte once; torch's own kernels for these formats (_weight_int8pack_mm,
 _weight_int4pack_mm_for_cpu) ran 2-8x slower than float32 on this machine (docs/benchmarks.md).
 Larger batches (prefill chunks) are compute-bound: the weights are dequantized for one dense matmul.
@@ -28,7 +28,7 @@ from pdserve.engine.cpu_kernels import cpu_kernels
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32  # a Q4_1 block
-MAX_GEMV_ROWS = 16  # the C++ kernels' limit (kMaxRows)
+MAX_GEMV_ROWS = 64  # the C++ kernels' limit (kMaxRows)
 
 
 class Int8Linear(nn.Module):

@@ -11,8 +11,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
 }  // namespace pdserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &pdserve::int8_linear, "y = x @ (q * scale).T for at most 16 rows of float32 x");
-  m.def("int4_linear", &pdserve::int4_linear, "y = x @ w.T, w in int4 groups of 32, for at most 16 rows of float32 x");
+  m.def("int8_linear", &pdserve::int8_linear, "y = x @ (q * scale).T for at most 64 rows of float32 x");
+  m.def("int4_linear", &pdserve::int4_linear, "y = x @ w.T, w in int4 groups of 32, for at most 64 rows of float32 x");
   m.def("paged_decode_attention", &pdserve::paged_decode_attention,
         "one query token per sequence attending to its context in the paged KV cache, read in place");
 }

@@ -97,7 +97,7 @@ def test_quantization_is_cpu_only_and_named():
         EngineConfig(quantization="fp8")
 
 
-@pytest.mark.parametrize("num_rows", [1, 5, 16, 17, 40])  # the C++ kernels up to 16 rows, a dense matmul above
+@pytest.mark.parametrize("num_rows", [1, 5, 16, 64, 65, 90])  # the C++ kernels up to 64 rows, a dense matmul above
 def test_both_paths_compute_with_the_dequantized_weights(linear, num_rows):
     x = torch.randn(num_rows, 128)
     for quantized in (Int8Linear(linear.weight, linear.bias), Int4Linear(linear.weight, linear.bias)):
