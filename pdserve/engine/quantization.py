@@ -10,7 +10,9 @@ Activations, norms, attention and the KV cache stay in the engine's dtype.
 Batches of up to 64 rows (decode steps) run the C++ kernels of cpu_kernels/quantized_gemv.cpp,
 which read each weight byte once; torch's own kernels for these formats (_weight_int8pack_mm,
 _weight_int4pack_mm_for_cpu) ran 2-8x slower than float32 on this machine (docs/benchmarks.md).
-Larger batches (prefill chunks) are compute-bound: the weights are dequantized for one dense matmul.
+Larger batches (prefill chunks) are compute-bound: one dense matmul, in bfloat16 where the CPU
+multiplies bfloat16 in hardware (activations rounded to bfloat16; the int8 weights are exact in
+it), else in float32 on the dequantized weights.
 
 The default model ships as Q4_1 GGUF blocks: 32 weights with w = d * q + m, q in [0, 15]. Those
 are int4 groups of 32 exactly, and quantizing the dequantized float32 weights again finds the
@@ -20,6 +22,9 @@ The LM head, tied to the Q8_0 embedding table, takes int8 in both modes.
 """
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -46,6 +51,9 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= MAX_GEMV_ROWS:
             y = cpu_kernels().int8_linear(rows.float().contiguous(), self.qweight, self.scale).to(x.dtype)
+        elif fast_bfloat16_matmul():
+            # q is exact in bfloat16 (integers below 256): only the activations round.
+            y = (torch.nn.functional.linear(rows.bfloat16(), self.qweight.bfloat16()).float() * self.scale).to(x.dtype)
         else:
             y = torch.nn.functional.linear(rows, self.dequantized().to(x.dtype))
         y = y.view(*x.shape[:-1], -1)
@@ -53,6 +61,18 @@ class Int8Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         return self.qweight.float() * self.scale[:, None]
+
+
+@functools.cache
+def fast_bfloat16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AMX or AVX512-BF16): then quantized layers
+    compute large batches (prefill chunks) in bfloat16, ~9x float32's speed on the Xeon of
+    docs/benchmarks.md. Elsewhere (AVX2) bfloat16 is emulated and slower than float32."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return bool({"amx_bf16", "avx512_bf16"} & set(flags.split()))
 
 
 def int4_quantize(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE):
@@ -103,6 +123,8 @@ class Int4Linear(nn.Module):
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= MAX_GEMV_ROWS:
             y = cpu_kernels().int4_linear(rows.float().contiguous(), self.packed, self.scale, self.low).to(x.dtype)
+        elif fast_bfloat16_matmul():
+            y = torch.nn.functional.linear(rows.bfloat16(), self.dequantized().bfloat16()).to(x.dtype)
         else:
             y = torch.nn.functional.linear(rows, self.dequantized().to(x.dtype))
         y = y.view(*x.shape[:-1], -1)

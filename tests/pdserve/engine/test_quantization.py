@@ -11,8 +11,10 @@ from safetensors.torch import load_file
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.model_loader import resolve_model
 from pdserve.engine.quantization import (
+    MAX_GEMV_ROWS,
     Int4Linear,
     Int8Linear,
+    fast_bfloat16_matmul,
     int4_dequantize,
     int4_pack,
     int4_quantize,
@@ -102,7 +104,10 @@ def test_both_paths_compute_with_the_dequantized_weights(linear, num_rows):
     x = torch.randn(num_rows, 128)
     for quantized in (Int8Linear(linear.weight, linear.bias), Int4Linear(linear.weight, linear.bias)):
         exact = torch.nn.functional.linear(x, quantized.dequantized(), linear.bias)
-        torch.testing.assert_close(quantized(x), exact, rtol=1e-4, atol=1e-4)
+        if num_rows > MAX_GEMV_ROWS and fast_bfloat16_matmul():  # activations rounded to bfloat16
+            assert (quantized(x) - exact).norm() / exact.norm() < 0.01
+        else:
+            torch.testing.assert_close(quantized(x), exact, rtol=1e-4, atol=1e-4)
 
 
 def test_int4_packing_round_trips_and_matches_the_kernels_layout():
