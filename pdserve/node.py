@@ -124,10 +124,9 @@ async def _serve(
     if stop_requested.is_set():
         stop.set()
     server, health_servicer, port = await _start_grpc(settings, service, async_engine)
-    node_info = _node_info(role, settings, async_engine.engine, port)
-    metrics.start(
-        node_info.node_id, settings.host, settings.metrics_port, advertised_host(settings.host, settings.advertise_host)
-    )
+    host = advertised_host(settings.host, settings.advertise_host)
+    node_info = _node_info(role, settings, async_engine.engine, host, port)
+    metrics.start(node_info.node_id, settings.host, settings.metrics_port, host)
     registration = NodeRegistration(
         settings.redis_url,
         node_info.model_copy(update={"metrics_address": metrics.address}),
@@ -165,13 +164,14 @@ async def _drain(async_engine: AsyncEngine, timeout_s: float) -> None:
     have routed a request here just before it saw that: the node serves at least one registry
     refresh more. What is still open at the deadline is cut, and the gateway resumes it elsewhere."""
     started = time.monotonic()
-    deadline = started + timeout_s
-    if _work_left(async_engine):
-        logger.info("draining: %s (at most %.0f s)", _work_left(async_engine), timeout_s)
-    while time.monotonic() < deadline and (_work_left(async_engine) or time.monotonic() < started + DRAIN_LINGER_S):
+    work = _work_left(async_engine)
+    if work:
+        logger.info("draining: %s (at most %.0f s)", work, timeout_s)
+    while (work or time.monotonic() < started + DRAIN_LINGER_S) and time.monotonic() < started + timeout_s:
         await asyncio.sleep(0.05)
-    if _work_left(async_engine):
-        logger.warning("stopping after %.0f s of draining with %s", timeout_s, _work_left(async_engine))
+        work = _work_left(async_engine)
+    if work:
+        logger.warning("stopping after %.0f s of draining with %s", timeout_s, work)
 
 
 def _work_left(async_engine: AsyncEngine) -> str:
@@ -230,8 +230,7 @@ def advertised_host(host: str, advertise_host: str | None) -> str:
     return host
 
 
-def _node_info(role: NodeRole, settings: NodeSettings, engine: LLMEngine, port: int) -> NodeInfo:
-    host = advertised_host(settings.host, settings.advertise_host)
+def _node_info(role: NodeRole, settings: NodeSettings, engine: LLMEngine, host: str, port: int) -> NodeInfo:
     return NodeInfo(
         node_id=settings.node_id or f"{role}-{socket.gethostname()}-{port}-{uuid.uuid4().hex[:6]}",
         role=role,

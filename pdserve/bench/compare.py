@@ -161,8 +161,6 @@ def run_cluster(system: str, args: argparse.Namespace, tokenizer) -> list[LevelR
     from pdserve.cluster_state.embedded_redis import free_port
     from pdserve.launcher import Launcher, LaunchPlan
 
-    loads = [Load(concurrency=c, num_requests=max(c, args.min_requests)) for c in args.concurrency]
-    tag_to_num_requests = {load.tag: load.num_requests for load in loads} | {"warmup": offline.NUM_WARMUP_REQUESTS}
     plan = LaunchPlan(
         model=args.model,
         port=free_port(),
@@ -172,10 +170,16 @@ def run_cluster(system: str, args: argparse.Namespace, tokenizer) -> list[LevelR
     started_s = time.perf_counter()
     with Launcher(plan) as cluster:
         logger.info("%s ready in %.0f s", system, time.perf_counter() - started_s)
-        client_config = ClientConfig(base_url=cluster.base_url, endpoint="completions", timeout_s=args.timeout_s)
+        return sweep(cluster.base_url, args, tokenizer)
 
-        source = conversation_source(args, tokenizer, tag_to_num_requests)
-        _, results = asyncio.run(run_benchmark(client_config, loads, source, num_warmup=offline.NUM_WARMUP_REQUESTS))
+
+def sweep(base_url: str, args: argparse.Namespace, tokenizer) -> list[LevelResult]:
+    """Every concurrency level through one server's /v1/completions, after the warm-up."""
+    loads = [Load(concurrency=c, num_requests=max(c, args.min_requests)) for c in args.concurrency]
+    tag_to_num_requests = {load.tag: load.num_requests for load in loads} | {"warmup": offline.NUM_WARMUP_REQUESTS}
+    client_config = ClientConfig(base_url=base_url, endpoint="completions", timeout_s=args.timeout_s)
+    source = conversation_source(args, tokenizer, tag_to_num_requests)
+    _, results = asyncio.run(run_benchmark(client_config, loads, source, num_warmup=offline.NUM_WARMUP_REQUESTS))
     return results
 
 
@@ -184,8 +188,6 @@ def run_llama(gguf_type: str, gguf_file: Path, args: argparse.Namespace, tokeniz
     from pdserve.bench.llama_peer import LlamaServer
     from pdserve.cluster_state.embedded_redis import free_port
 
-    loads = [Load(concurrency=c, num_requests=max(c, args.min_requests)) for c in args.concurrency]
-    tag_to_num_requests = {load.tag: load.num_requests for load in loads} | {"warmup": offline.NUM_WARMUP_REQUESTS}
     if args.workload == "chat":
         context_per_slot = args.prefix_len + args.num_turns * (args.chat_turn_len + args.output_len) + 256
     else:
@@ -195,11 +197,7 @@ def run_llama(gguf_type: str, gguf_file: Path, args: argparse.Namespace, tokeniz
     )
     with server:
         logger.info("llama.cpp %s ready: %s", gguf_type, " ".join(server.command))
-        client_config = ClientConfig(base_url=server.base_url, endpoint="completions", timeout_s=args.timeout_s)
-
-        source = conversation_source(args, tokenizer, tag_to_num_requests)
-        _, results = asyncio.run(run_benchmark(client_config, loads, source, num_warmup=offline.NUM_WARMUP_REQUESTS))
-    return results
+        return sweep(server.base_url, args, tokenizer)
 
 
 def check_results(system: str, results: Sequence[LevelResult], output_len: int) -> list[str]:
@@ -222,20 +220,19 @@ def run_compare(args: argparse.Namespace) -> tuple[list[CompareRow], list[str], 
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model).path)
     rows, notes, raw = [], [], {}
-    for system in [s for s in CLUSTER_SYSTEMS if s in args.systems]:
-        results = run_cluster(system, args, tokenizer)
-        rows += [row_from_level(system, result) for result in results]
-        notes += check_results(system, results, args.output_len)
+
+    def record(system: str, results: list[LevelResult]) -> None:
+        rows.extend(row_from_level(system, result) for result in results)
+        notes.extend(check_results(system, results, args.output_len))
         raw[system] = [{"load": asdict(r.load), "metrics": asdict(r.metrics)} for r in results]
+
+    for system in [s for s in CLUSTER_SYSTEMS if s in args.systems]:
+        record(system, run_cluster(system, args, tokenizer))
     if args.llama_server:
         from pdserve.bench.llama_peer import gguf_files
 
         for gguf_type, gguf_file in gguf_files(args.model, args.gguf_dir, tuple(args.llama_types)).items():
-            system = f"llama.cpp {gguf_type}"
-            results = run_llama(gguf_type, gguf_file, args, tokenizer)
-            rows += [row_from_level(system, result) for result in results]
-            notes += check_results(system, results, args.output_len)
-            raw[system] = [{"load": asdict(r.load), "metrics": asdict(r.metrics)} for r in results]
+            record(f"llama.cpp {gguf_type}", run_llama(gguf_type, gguf_file, args, tokenizer))
     offline_systems = [s for s in OFFLINE_SYSTEMS if s in args.systems]
     if offline_systems:
         system_to_runner, _ = offline.build_runners(args.model, offline_systems)

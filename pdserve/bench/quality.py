@@ -176,7 +176,7 @@ def measure(model: str, modes: Sequence[str], num_tokens: int, attention_backend
         tokens = greedy(engine, prompts, num_tokens)
         ppl = perplexity(engine, PERPLEXITY_TEXT)
         step_ms = decode_step_ms(engine, prompts[0], num_tokens)
-        floor_ms = weight_bytes_per_step(engine) / (bandwidth * 1e9) * 1000
+        weight_bytes = weight_bytes_per_step(engine)
         results[mode] = {
             "agreement": teacher_forced_agreement(reference, engine, prompts, reference_tokens),
             "identical_sequences": sum(a == b for a, b in zip(reference_tokens, tokens)),
@@ -184,8 +184,8 @@ def measure(model: str, modes: Sequence[str], num_tokens: int, attention_backend
             "perplexity": ppl,
             "perplexity_ratio": ppl / reference_ppl,
             "step_ms": step_ms,
-            "floor_ms": floor_ms,
-            "weight_mb": weight_bytes_per_step(engine) / 1e6,
+            "floor_ms": weight_bytes / (bandwidth * 1e9) * 1000,
+            "weight_mb": weight_bytes / 1e6,
         }
     return {
         "model": model,

@@ -36,7 +36,32 @@ INT4_GROUP_SIZE = 32  # a Q4_1 block
 MAX_GEMV_ROWS = 64  # the C++ kernels' limit (kMaxRows)
 
 
-class Int8Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """The shape handling and the choice of path both formats share; subclasses hold the weights
+    and say how each path multiplies a [rows, in] float batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= MAX_GEMV_ROWS:
+            y = self.gemv(rows.float().contiguous())
+        elif fast_bfloat16_matmul():
+            y = self.bfloat16_matmul(rows.bfloat16())
+        else:
+            y = torch.nn.functional.linear(rows, self.dequantized().to(x.dtype))
+        y = y.to(x.dtype).view(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+    def gemv(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def bfloat16_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(rows, self.dequantized().bfloat16())
+
+    def dequantized(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantizedLinear):
     """y = x @ (q * scale).T + bias, with q int8 [out, in] and one scale per output channel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -47,17 +72,12 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= MAX_GEMV_ROWS:
-            y = cpu_kernels().int8_linear(rows.float().contiguous(), self.qweight, self.scale).to(x.dtype)
-        elif fast_bfloat16_matmul():
-            # q is exact in bfloat16 (integers below 256): only the activations round.
-            y = (torch.nn.functional.linear(rows.bfloat16(), self.qweight.bfloat16()).float() * self.scale).to(x.dtype)
-        else:
-            y = torch.nn.functional.linear(rows, self.dequantized().to(x.dtype))
-        y = y.view(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
+    def gemv(self, rows: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels().int8_linear(rows, self.qweight, self.scale)
+
+    def bfloat16_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        # q is exact in bfloat16 (integers below 256): only the activations round.
+        return torch.nn.functional.linear(rows, self.qweight.bfloat16()).float() * self.scale
 
     def dequantized(self) -> torch.Tensor:
         return self.qweight.float() * self.scale[:, None]
@@ -108,7 +128,7 @@ def int4_unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([groups & 15, groups >> 4], dim=2).reshape(out_features, half * 2).to(torch.int32)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     """y = x @ w.T + bias, w in asymmetric int4 groups of 32 input channels."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -119,16 +139,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("low", low.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= MAX_GEMV_ROWS:
-            y = cpu_kernels().int4_linear(rows.float().contiguous(), self.packed, self.scale, self.low).to(x.dtype)
-        elif fast_bfloat16_matmul():
-            y = torch.nn.functional.linear(rows.bfloat16(), self.dequantized().bfloat16()).to(x.dtype)
-        else:
-            y = torch.nn.functional.linear(rows, self.dequantized().to(x.dtype))
-        y = y.view(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
+    def gemv(self, rows: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels().int4_linear(rows, self.packed, self.scale, self.low)
 
     def dequantized(self) -> torch.Tensor:
         return int4_dequantize(int4_unpack(self.packed), self.scale, self.low)

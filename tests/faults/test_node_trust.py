@@ -22,15 +22,15 @@ import time
 import grpc
 import httpx
 import pytest
-import redis
 
-from pdserve.cluster_state.registry import KEY_PREFIX, NodeInfo
+from pdserve.cluster_state.registry import NodeInfo
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launcher import Launcher
 from protos import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from protos.convert import sampling_params_to_proto
 from tests.e2e.helpers import e2e_plan, wait_until
 from tests.factories import build_tiny_chat_model
+from tests.faults.helpers import is_idle, node_infos
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,14 +53,8 @@ def cluster(tmp_path_factory):
             yield running
 
 
-def node_infos(redis_url: str) -> dict[str, NodeInfo]:
-    client = redis.Redis.from_url(redis_url)
-    infos = (NodeInfo.from_json(client.get(key)) for key in client.scan_iter(f"{KEY_PREFIX}*"))
-    return {info.role: info for info in infos}
-
-
-def idle(info: NodeInfo) -> bool:
-    return info.load.num_pending_transfers == 0 and info.load.num_free_blocks == info.capacity.num_blocks
+def infos_by_role(redis_url: str) -> dict[str, NodeInfo]:
+    return {info.role: info for info in node_infos(redis_url).values()}
 
 
 def completion_text(base_url: str) -> str:
@@ -104,7 +98,7 @@ def lease_renewed(kv: kv_transfer_pb2_grpc.KvTransferServiceStub, token: str):
 
 
 def test_nodes_trust_only_what_they_handed_out(cluster):
-    infos = node_infos(cluster.redis_url)
+    infos = infos_by_role(cluster.redis_url)
     decode_info, prefill_info = infos["decode"], infos["prefill"]
     decode_channel = grpc.insecure_channel(decode_info.address)
     prefill_channel = grpc.insecure_channel(prefill_info.address)
@@ -132,8 +126,8 @@ def test_nodes_trust_only_what_they_handed_out(cluster):
         return [first.first_token_id] + [t for message in call for t in message.chunk.token_ids]
 
     def all_idle() -> bool:
-        current = node_infos(cluster.redis_url)
-        return len(current) == 2 and all(idle(info) for info in current.values())
+        current = infos_by_role(cluster.redis_url)
+        return len(current) == 2 and all(is_idle(info) for info in current.values())
 
     wait_until(all_idle, 10, "both nodes idle before the attacks")
     gateway_before = completion_text(cluster.base_url)
@@ -147,7 +141,7 @@ def test_nodes_trust_only_what_they_handed_out(cluster):
     started = time.monotonic()
     assert rpc_code(lambda: list(call)) == grpc.StatusCode.UNAVAILABLE
     assert 0.5 < time.monotonic() - started < 5  # about one lease (1 s)
-    wait_until(lambda: idle(node_infos(cluster.redis_url)["decode"]), 10, "the decode node's blocks to be free")
+    wait_until(lambda: is_idle(infos_by_role(cluster.redis_url)["decode"]), 10, "the decode node's blocks to be free")
 
     # 2. A commit claiming shared-memory pages that never came is refused; no stale KV is decoded.
     call = generate("attack-commit", list(range(3000, 3040)))

@@ -12,19 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.attention.backend import BatchLayout
-from pdserve.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata, _PaddedGroup
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend, _PaddedGroup
 from pdserve.engine.cpu_kernels import cpu_kernels
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    def prepare(self, layout: BatchLayout) -> TorchAttentionMetadata:
-        metadata = super().prepare(layout)
-        if metadata.decode is not None:
-            nd = layout.num_decodes
-            metadata.decode.context_lens = torch.tensor(layout.context_lens[:nd], device=layout.slot_mapping.device)
-        return metadata
-
     def _decode(self, query, k_cache, v_cache, group: _PaddedGroup) -> torch.Tensor:
         if query.device.type != "cpu" or query.dtype != torch.float32:
             return super()._decode(query, k_cache, v_cache, group)

@@ -101,7 +101,7 @@ class TorchAttentionBackend(AttentionBackend):
         context = torch.tensor(context_lens, device=device)
         positions = torch.arange(block_table.shape[1] * block_size, device=device)
         mask = (positions[None, :] < context[:, None])[:, None, None, :]
-        return _PaddedGroup(block_table, mask)
+        return _PaddedGroup(block_table, mask, context_lens=context)
 
     def _prefill_group(self, layout: BatchLayout, device) -> _PaddedGroup:
         nd = layout.num_decodes

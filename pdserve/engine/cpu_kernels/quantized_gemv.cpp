@@ -174,9 +174,6 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   TORCH_CHECK(low.scalar_type() == torch::kFloat32 && low.numel() == N * G, "low must be float32 [N, K/32]");
   auto y = torch::empty({M, N}, x.options());
   const float* xs = x.data_ptr<float>();
-  // Each group's sum of x: the `low` term of a group is low * sum(x over the group).
-  auto x_sums = x.view({M, G, kGroup}).sum(-1).contiguous();
-  const float* sums = x_sums.data_ptr<float>();
   const uint8_t* ps = packed.data_ptr<uint8_t>();
   const float* scales = scale.data_ptr<float>();
   const float* lows = low.data_ptr<float>();
@@ -185,6 +182,9 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     int4_linear_batched(xs, ps, scales, lows, ys, M, N, K);
     return y;
   }
+  // Each group's sum of x: the `low` term of a group is low * sum(x over the group).
+  auto x_sums = x.view({M, G, kGroup}).sum(-1).contiguous();
+  const float* sums = x_sums.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = ps + n * (K / 2);
