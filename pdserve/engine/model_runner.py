@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 from pdserve.engine.attention import BatchLayout, get_attention_backend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KvCacheSpec, KvCacheStorage, bytes_per_block, kv_caches_over
+from pdserve.engine.models.cpu_decode import CpuDecodeStack
 from pdserve.engine.models.llama import LlamaModel, load_hf_weights, rotary_tables
 from pdserve.engine.quantization import quantize_linears
 from pdserve.engine.request import TokenLogprob
@@ -52,6 +53,11 @@ class ModelRunner:
             config.device,
         )  # fmt: skip
         self.kv_caches = kv_caches_over(kv_storage.allocate(spec))
+        self.decode_stack = (
+            CpuDecodeStack(self.model, self.kv_caches)
+            if config.attention_backend == "cpu" and CpuDecodeStack.supports(self.model, self.device, self.dtype)
+            else None
+        )
         self.sampler = Sampler()
         self.seed_generator = torch.Generator().manual_seed(config.seed)
         self.seeds: dict[str, int] = {}  # request id -> its seed, drawn here for unseeded requests
@@ -104,13 +110,13 @@ class ModelRunner:
             block_size=self.block_size,
         )
         metadata = self.model.layers[0].self_attn.backend.prepare(layout)
-        hidden = self.model(
-            torch.tensor(input_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            self.kv_caches,
-            metadata,
-            after_layer,
-        )
+        input_ids, positions = (torch.tensor(values, device=self.device) for values in (input_ids, positions))
+        if self._decode_stack_runs(layout, after_layer):
+            hidden = self.decode_stack(
+                input_ids, positions, layout.slot_mapping, metadata.decode.block_table, metadata.decode.context_lens
+            )
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata, after_layer)
         if not sampled:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(logits_index, device=self.device)])
@@ -120,6 +126,16 @@ class ModelRunner:
         positions = [s.request.sampling_params.num_prior_output_tokens + s.request.num_output_tokens for s in sampled]
         out = self.sampler(logits, params, seeds, positions)
         return {s.request.request_id: (tok, lp) for s, tok, lp in zip(sampled, out.token_ids, out.logprobs)}
+
+    def _decode_stack_runs(self, layout: BatchLayout, after_layer) -> bool:
+        """Whether this step goes through the C++ decode stack: every sequence decodes one token,
+        no more than its kernels' row limit, and no caller waits on individual layers."""
+        return (
+            self.decode_stack is not None
+            and after_layer is None
+            and layout.num_decodes == layout.num_seqs
+            and layout.num_seqs <= self.decode_stack.max_batch
+        )
 
     def _flatten(self, ordered: list[ScheduledRequest]):
         input_ids: list[int] = []

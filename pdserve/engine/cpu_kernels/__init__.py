@@ -21,12 +21,13 @@ logger = logging.getLogger(__name__)
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-mprefer-vector-width=512"]
 
 
-SOURCES = ("quantized_gemv.cpp", "paged_attention.cpp", "bindings.cpp")
+SOURCES = ("quantized_gemv.cpp", "paged_attention.cpp", "decode_stack.cpp", "bindings.cpp")
 
 
 @functools.cache
 def cpu_kernels():
-    """int8_linear, int4_linear (quantized_gemv.cpp) and paged_decode_attention (paged_attention.cpp)."""
+    """int8_linear, int4_linear (quantized_gemv.cpp), paged_decode_attention (paged_attention.cpp),
+    and the Linear and DecodeStack classes (decode_stack.cpp)."""
     from torch.utils.cpp_extension import load
 
     sources = [Path(__file__).with_name(name) for name in SOURCES]

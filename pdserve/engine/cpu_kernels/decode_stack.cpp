@@ -1,0 +1,211 @@
+// A whole decode step of a Llama-family decoder (embedding to final norm) in one call from Python.
+//
+// At batch 1 the step's ~210 weight matrices stream in ~7 ms (int8, 2 Xeon cores), but the
+// Python module tree around them issued ~3000 small torch ops (norms, rotary, slices, casts, the
+// KV write) at a few microseconds each, which doubled the step. Here each layer is a handful of
+// plain loops around the GEMV and attention kernels of this extension:
+//
+//   x = embed[ids]
+//   per layer:  h = rms_norm(x);  qkv = h @ Wqkv;  rotate q, k;  write k, v at the slots;
+//               x += attention(q) @ Wo;  h = rms_norm(x);  g, u = h @ Wgate_up;  x += (silu(g) * u) @ Wdown
+//   return rms_norm(x)
+//
+// Float32 activations; each projection is float32 (at::linear), int8 or int4 (quantized_gemv.cpp).
+// The Python side (pdserve/engine/models/cpu_decode.py) builds the stack from a loaded model and
+// calls it only for steps in which every sequence decodes one token.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace pdserve {
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                          const torch::Tensor& low);
+torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                     const torch::Tensor& context_lens, double scale);
+
+// One projection: "dense" {weight}, "int8" {q, scale} or "int4" {packed, scale, low}, and a bias.
+struct Linear {
+  Linear(std::string kind, std::vector<torch::Tensor> weights, std::optional<torch::Tensor> bias)
+      : kind(std::move(kind)), weights(std::move(weights)), bias(std::move(bias)) {
+    const size_t expected = this->kind == "dense" ? 1 : this->kind == "int8" ? 2 : this->kind == "int4" ? 3 : 0;
+    TORCH_CHECK(expected && this->weights.size() == expected, "a ", this->kind, " projection takes ", expected,
+                " tensors, got ", this->weights.size());
+  }
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor y = kind == "dense"  ? at::linear(x, weights[0])
+                      : kind == "int8" ? int8_linear(x, weights[0], weights[1])
+                                       : int4_linear(x, weights[0], weights[1], weights[2]);
+    if (bias) y.add_(*bias);
+    return y;
+  }
+
+  std::string kind;
+  std::vector<torch::Tensor> weights;
+  std::optional<torch::Tensor> bias;
+};
+
+namespace {
+
+struct Layer {
+  torch::Tensor input_norm, post_attention_norm;
+  Linear qkv, o, gate_up, down;
+  torch::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim], float32
+};
+
+// transformers' LlamaRMSNorm in float32: w * (x * rsqrt(mean(x^2) + eps)), row by row.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, float eps) {
+  const int64_t M = x.size(0), N = x.size(1);
+  auto out = torch::empty_like(x);
+  const float* xs = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = xs + m * N;
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t n = 0; n < N; ++n) squares += row[n] * row[n];
+    const float inverse = 1.f / std::sqrt(squares / N + eps);
+#pragma omp simd
+    for (int64_t n = 0; n < N; ++n) os[m * N + n] = w[n] * (row[n] * inverse);
+  }
+  return out;
+}
+
+// Rotates the first `heads` heads of each row in place: x * cos + rotate_half(x) * sin, where
+// `signed_sin` already carries rotate_half's sign (models/llama.py, rotary_tables).
+void rotate(float* rows, int64_t row_stride, const int64_t* positions, int64_t M, int64_t heads, int64_t D,
+            const float* cos, const float* signed_sin) {
+  const int64_t half = D / 2;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* c = cos + positions[m] * D;
+    const float* s = signed_sin + positions[m] * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* x = rows + m * row_stride + h * D;
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) {
+        const float x1 = x[d], x2 = x[d + half];
+        x[d] = x1 * c[d] + x2 * s[d];
+        x[d + half] = x2 * c[d + half] + x1 * s[d + half];
+      }
+    }
+  }
+}
+
+// silu(gate) * up for rows laid out [gate | up].
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({M, I}, gate_up.options());
+  const float* gu = gate_up.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* g = gu + m * 2 * I;
+    const float* u = g + I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) os[m * I + i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, torch::Tensor embedding,
+              torch::Tensor cos, torch::Tensor signed_sin, torch::Tensor final_norm)
+      : H_(num_heads), KVH_(num_kv_heads), D_(head_dim), eps_(static_cast<float>(eps)),
+        embedding_(std::move(embedding)), cos_(std::move(cos)), sin_(std::move(signed_sin)),
+        final_norm_(std::move(final_norm)) {
+    for (const auto* t : {&embedding_, &cos_, &sin_, &final_norm_}) {
+      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->device().is_cpu(),
+                  "the decode stack runs on contiguous float32 CPU tensors");
+    }
+    TORCH_CHECK(cos_.size(1) == D_ && sin_.sizes() == cos_.sizes(), "rotary tables must be [positions, head_dim]");
+  }
+
+  void add_layer(torch::Tensor input_norm, Linear qkv, Linear o, torch::Tensor post_attention_norm, Linear gate_up,
+                 Linear down, torch::Tensor k_cache, torch::Tensor v_cache) {
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == KVH_ && k_cache.size(3) == D_ && k_cache.is_contiguous() &&
+                    k_cache.scalar_type() == torch::kFloat32 && v_cache.sizes() == k_cache.sizes() &&
+                    v_cache.is_contiguous(),
+                "KV caches must be contiguous float32 [blocks, block_size, kv_heads, head_dim]");
+    layers_.push_back(Layer{std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
+                            std::move(gate_up), std::move(down), std::move(k_cache), std::move(v_cache)});
+  }
+
+  // input_ids, positions, slots [B]; block_tables [B, max_blocks]; context_lens [B] (all int64)
+  // -> the final-normed hidden states [B, hidden]. Writes each layer's new K/V at `slots`.
+  torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& slots,
+                        const torch::Tensor& block_tables, const torch::Tensor& context_lens) const {
+    for (const auto* t : {&input_ids, &positions, &slots, &context_lens}) {
+      TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->dim() == 1 && t->size(0) == input_ids.size(0) &&
+                      t->is_contiguous(),
+                  "input_ids, positions, slots and context_lens must be contiguous int64 [B]");
+    }
+    const int64_t B = input_ids.size(0), max_position = cos_.size(0);
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(pos[b] >= 0 && pos[b] < max_position, "position ", pos[b], " outside the rotary table");
+    }
+    const int64_t q_size = H_ * D_, kv_size = KVH_ * D_;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D_));
+    auto x = embedding_.index_select(0, input_ids);
+    for (const Layer& layer : layers_) {
+      auto qkv = layer.qkv(rms_norm(x, layer.input_norm, eps_));
+      float* rows = qkv.data_ptr<float>();
+      const int64_t row_stride = qkv.size(1);
+      rotate(rows, row_stride, pos, B, H_ + KVH_, D_, cos_.data_ptr<float>(), sin_.data_ptr<float>());
+      write_kv(rows, row_stride, q_size, kv_size, slot, B, layer);
+      auto query = qkv.narrow(1, 0, q_size).view({B, H_, D_});
+      auto attended = paged_decode_attention(query, layer.k_cache, layer.v_cache, block_tables, context_lens, scale);
+      x.add_(layer.o(attended.view({B, q_size})));
+      x.add_(layer.down(silu_and_mul(layer.gate_up(rms_norm(x, layer.post_attention_norm, eps_)))));
+    }
+    return rms_norm(x, final_norm_, eps_);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  void write_kv(const float* rows, int64_t row_stride, int64_t q_size, int64_t kv_size, const int64_t* slot, int64_t B,
+                const Layer& layer) const {
+    const int64_t num_slots = layer.k_cache.size(0) * layer.k_cache.size(1);
+    float* ks = layer.k_cache.data_ptr<float>();
+    float* vs = layer.v_cache.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "KV slot ", slot[b], " outside the cache");
+      const float* k = rows + b * row_stride + q_size;
+      std::copy(k, k + kv_size, ks + slot[b] * kv_size);
+      std::copy(k + kv_size, k + 2 * kv_size, vs + slot[b] * kv_size);
+    }
+  }
+
+  int64_t H_, KVH_, D_;
+  float eps_;
+  torch::Tensor embedding_, cos_, sin_, final_norm_;
+  std::vector<Layer> layers_;
+};
+
+void bind_decode_stack(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<Linear>(m, "Linear", "a projection: kind 'dense' [weight], 'int8' [q, scale] or 'int4' [packed, scale, low]")
+      .def(py::init<std::string, std::vector<torch::Tensor>, std::optional<torch::Tensor>>(), py::arg("kind"),
+           py::arg("weights"), py::arg("bias"))
+      .def("__call__", &Linear::operator());
+  py::class_<DecodeStack>(m, "DecodeStack", "a decode step of a Llama-family decoder, embedding to final norm")
+      .def(py::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>(),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("embedding"),
+           py::arg("cos"), py::arg("signed_sin"), py::arg("final_norm"))
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+}
+
+}  // namespace pdserve

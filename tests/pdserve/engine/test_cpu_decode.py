@@ -1,0 +1,110 @@
+"""The C++ decode stack (pdserve/engine/models/cpu_decode.py) that runs pure-decode steps under
+`--attention-backend cpu`: the same tokens and log-probabilities as the module path, for every
+projection kind and with biases, and only on the steps it can run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.config import CacheConfig
+from pdserve.engine.cpu_kernels import cpu_kernels
+from tests.factories import build_tiny_model
+
+PROMPTS = [[5, 9, 2, 7], [11] * 20, list(range(1, 40))]
+
+
+def tiny_engine(folder, quantization: str, **cache) -> LLMEngine:
+    config = EngineConfig(
+        model=str(folder), quantization=quantization, attention_backend="cpu", cache=CacheConfig(block_size=8, **cache)
+    )
+    return LLMEngine(config)
+
+
+def generate(engine: LLMEngine, max_tokens: int = 12):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    outputs = engine.generate(PROMPTS, params)
+    return [o.token_ids for o in outputs], torch.tensor([[lp.logprob for lp in o.logprobs] for o in outputs])
+
+
+class CountedStack:
+    def __init__(self, stack) -> None:
+        self.stack, self.max_batch, self.calls = stack, stack.max_batch, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.stack(*args)
+
+
+def count_stack_calls(engine: LLMEngine) -> CountedStack:
+    engine.model_runner.decode_stack = CountedStack(engine.model_runner.decode_stack)
+    return engine.model_runner.decode_stack
+
+
+def count_module_calls(monkeypatch, engine: LLMEngine) -> list[int]:
+    calls = [0]
+    model = engine.model_runner.model
+    forward = model.forward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_the_stack_decodes_what_the_module_path_decodes(tmp_path, monkeypatch, arch, quantization):
+    folder = build_tiny_model(tmp_path, arch)
+    modules = tiny_engine(folder, quantization)
+    modules.model_runner.decode_stack = None
+    expected_tokens, expected_logprobs = generate(modules)
+
+    engine = tiny_engine(folder, quantization)
+    stack = count_stack_calls(engine)
+    module_calls = count_module_calls(monkeypatch, engine)
+    tokens, logprobs = generate(engine)
+
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=1e-4)
+    assert stack.calls == 11  # 12 tokens: the first comes from the prefill, 11 decode steps
+    assert module_calls[0] == 1  # the one prefill step (all three prompts in one chunk)
+
+
+def test_steps_with_a_prefill_chunk_keep_the_module_path(tmp_path):
+    engine = tiny_engine(build_tiny_model(tmp_path), "int8")
+    stack = count_stack_calls(engine)
+    engine.add_request("first", PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.step()  # prefill
+    engine.add_request("second", PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.step()  # a decode of "first" beside the prefill of "second"
+    assert stack.calls == 0
+    engine.step()  # both decode
+    assert stack.calls == 1
+
+
+def test_other_backends_and_dtypes_have_no_stack(tmp_path):
+    folder = build_tiny_model(tmp_path)
+    torch_backend = LLMEngine(EngineConfig(model=str(folder), attention_backend="torch"))
+    bfloat16 = LLMEngine(EngineConfig(model=str(folder), attention_backend="cpu", dtype="bfloat16"))
+    assert torch_backend.model_runner.decode_stack is None
+    assert bfloat16.model_runner.decode_stack is None
+
+
+def test_the_stack_refuses_bad_inputs_instead_of_writing_out_of_bounds(tmp_path):
+    kernels = cpu_kernels()
+    with pytest.raises(RuntimeError, match="int8 projection takes 2 tensors"):
+        kernels.Linear("int8", [torch.zeros(4, 4, dtype=torch.int8)], None)
+    engine = tiny_engine(build_tiny_model(tmp_path), "int8", num_blocks=4)
+    stack = engine.model_runner.decode_stack
+    one = torch.tensor([1])
+    table = torch.tensor([[0]])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        stack(one, one, torch.tensor([4 * 8]), table, one)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        stack(one, torch.tensor([10**6]), one, table, one)
+    with pytest.raises(RuntimeError, match="contiguous int64"):
+        stack(one.int(), one, one, table, one)
