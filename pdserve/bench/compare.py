@@ -8,16 +8,19 @@ generating exactly --output-len tokens (greedy, EOS ignored):
                          as `pdserve up` runs it), loaded by `bench serve`'s client through
                          /v1/completions with token-id prompts
   pdserve colocated      one node computing both phases, same gateway
+  pdserve engine         the nodes' engine (--pdserve-flags) in this process under the same closed
+                         loop, no gateway, gRPC or HTTP (bench/engine_load.py; synthetic workload)
   generate_batch         transformers' continuous batching, all N prompts at once (offline)
   naive                  transformers generate(), one request after another (offline)
 
 Lifecycle:
   1. per cluster mode: start it on free ports, wait until ready, warm up, then per concurrency N:
      N clients send max(N, --min-requests) requests; stop it before the next starts
-  2. with no cluster running: load the transformers peers and time them with bench.offline.measure
+  2. with no cluster running: the engine in this process, then llama-server if given, then the
+     transformers peers, timed with bench.offline.measure
   3. print the markdown table (and write it to --output), optionally the raw results (--json)
 
-Offline systems have no TTFT, TPOT or ITL to measure: their cells are blank.
+The offline transformers peers have no TTFT, TPOT or ITL to measure: their cells are blank.
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ from pdserve.options import add_model_flag
 logger = logging.getLogger(__name__)
 
 CLUSTER_SYSTEMS = {"pdserve-disagg": False, "pdserve-colocated": True}  # system -> colocated
+ENGINE_SYSTEM = "pdserve-engine"
 OFFLINE_SYSTEMS = ("generate_batch", "naive")
-SYSTEMS = (*CLUSTER_SYSTEMS, *OFFLINE_SYSTEMS)
+SYSTEMS = (*CLUSTER_SYSTEMS, ENGINE_SYSTEM, *OFFLINE_SYSTEMS)
 PEERS = ("naive", "generate_batch")
 
 
@@ -183,6 +187,34 @@ def sweep(base_url: str, args: argparse.Namespace, tokenizer) -> list[LevelResul
     return results
 
 
+def run_engine(args: argparse.Namespace, tokenizer) -> list[LevelResult]:
+    """The nodes' engine in this process, under the clusters' loads and prompts (synthetic workload)."""
+    from pdserve.bench.engine_load import run_level
+
+    engine = engine_from_flags(args.model, args.pdserve_flags)
+    warmup = offline.synthetic_prompts(tokenizer, offline.NUM_WARMUP_REQUESTS, args.input_len, tag="warmup")
+    run_level(engine, Load(concurrency=1, num_requests=len(warmup)), warmup, offline.NUM_WARMUP_TOKENS)
+    results = []
+    for concurrency in args.concurrency:
+        load = Load(concurrency=concurrency, num_requests=max(concurrency, args.min_requests))
+        prompts = offline.synthetic_prompts(tokenizer, load.num_requests, args.input_len, tag=load.tag)
+        results.append(run_level(engine, load, prompts, args.output_len))
+        logger.info("%s at %d: %.1f tok/s", ENGINE_SYSTEM, concurrency, results[-1].metrics.output_throughput)
+    return results
+
+
+def engine_from_flags(model: str, flags: str):
+    """An LLMEngine with the engine options among a node's flags (others, like --kv-transport, do
+    not concern the engine and are ignored)."""
+    from pdserve.engine import LLMEngine
+    from pdserve.options import EngineOptions, add_flags, settings_from_args
+
+    parser = argparse.ArgumentParser(prog="--pdserve-flags")
+    add_flags(parser, EngineOptions)
+    known, _ = parser.parse_known_args(["--model", model, *shlex.split(flags)])
+    return LLMEngine(settings_from_args(EngineOptions, known, parser).engine_config())
+
+
 def run_llama(gguf_type: str, gguf_file: Path, args: argparse.Namespace, tokenizer) -> list[LevelResult]:
     """One llama-server configuration under the clusters' very load (bench/llama_peer.py)."""
     from pdserve.bench.llama_peer import LlamaServer
@@ -228,6 +260,11 @@ def run_compare(args: argparse.Namespace) -> tuple[list[CompareRow], list[str], 
 
     for system in [s for s in CLUSTER_SYSTEMS if s in args.systems]:
         record(system, run_cluster(system, args, tokenizer))
+    if ENGINE_SYSTEM in args.systems:
+        if args.workload == "synthetic":
+            record(ENGINE_SYSTEM, run_engine(args, tokenizer))
+        else:
+            notes.append(f"{ENGINE_SYSTEM}: runs the synthetic workload only, not {args.workload}")
     if args.llama_server:
         from pdserve.bench.llama_peer import gguf_files
 

@@ -6,9 +6,12 @@ import pytest
 
 from pdserve.bench import compare
 from pdserve.bench.compare import CompareRow
+from pdserve.bench.engine_load import run_level
 from pdserve.bench.metrics import RequestRecord, compute_metrics
 from pdserve.bench.offline import Measurement, synthetic_prompts
 from pdserve.bench.results import LevelResult, Load
+from pdserve.engine import EngineConfig, LLMEngine
+from tests.factories import build_tiny_model
 
 ROWS = [
     CompareRow("naive", 8, 25.0, 4),
@@ -54,6 +57,36 @@ def test_cluster_prompts_are_the_offline_peers_prompts():
 def test_parse_args_defaults_and_rejects_unknown_systems():
     args = compare.parse_args([])
     assert (args.model, args.concurrency, args.input_len, args.output_len) == ("smollm2-135m", [1, 8, 32], 200, 64)
-    assert args.systems == ["pdserve-disagg", "pdserve-colocated", "generate_batch", "naive"]
+    assert args.systems == ["pdserve-disagg", "pdserve-colocated", "pdserve-engine", "generate_batch", "naive"]
     with pytest.raises(SystemExit):
         compare.parse_args(["--systems", "vllm"])
+
+
+def test_the_engine_row_takes_the_engine_flags_among_a_nodes_flags(tmp_path):
+    folder = build_tiny_model(tmp_path)
+    engine = compare.engine_from_flags(
+        str(folder), "--quantization int8 --attention-backend cpu --kv-transport grpc --max-num-seqs 3"
+    )
+    assert (engine.config.quantization, engine.config.attention_backend) == ("int8", "cpu")
+    assert engine.config.scheduler.max_num_seqs == 3
+
+
+def test_the_engine_under_a_closed_loop_keeps_n_requests_in_flight(tmp_path, monkeypatch):
+    engine = LLMEngine(EngineConfig(model=str(build_tiny_model(tmp_path))))
+    in_flight = []
+    step = engine.step
+
+    def counted_step():
+        load = engine.load()
+        in_flight.append(load.num_waiting_requests + load.num_running)
+        return step()
+
+    monkeypatch.setattr(engine, "step", counted_step)
+    prompts = [[3 + i, 5, 7, 9] for i in range(5)]
+    result = run_level(engine, Load(concurrency=2, num_requests=5), prompts, output_len=6)
+    assert result.metrics.num_succeeded == 5 and result.metrics.total_output_tokens == 30
+    assert result.metrics.total_input_tokens == 20
+    for record in result.records:
+        assert record.start_s < record.content_times_s[0] <= record.content_times_s[-1] == record.end_s
+    assert result.metrics.tpot.p50 > 0 and result.metrics.ttft.p50 > 0
+    assert max(in_flight) == 2 and in_flight[0] == 2
