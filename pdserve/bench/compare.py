@@ -119,15 +119,18 @@ def format_markdown(rows: Sequence[CompareRow]) -> str:
             row.system,
             str(row.concurrency),
             f"{row.output_throughput:.1f}",
-            *(_ms(value) for value in (row.ttft_p50, row.ttft_p99, row.tpot_p50, row.itl_p99)),
+            _ms(row.ttft_p50),
+            _ms(row.ttft_p99),
+            _ms(row.tpot_p50, digits=1),  # a few ms per token at small batches: tenths matter
+            _ms(row.itl_p99),
             *(_ratio(ratio_to(rows, row, peer)) for peer in PEERS),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _ms(value: float | None) -> str:
-    return "" if value is None else f"{value:.0f}"
+def _ms(value: float | None, digits: int = 0) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
 
 
 def _ratio(value: float | None) -> str:

@@ -27,8 +27,8 @@ def test_markdown_orders_rows_blanks_offline_latencies_and_gives_ratios():
         "| system | concurrency | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) "
         "| ITL p99 (ms) | vs naive | vs generate_batch |"
     )
-    assert lines[2] == "| pdserve-colocated | 1 | 30.0 | 250 | 260 | 33 | 40 |  |  |"  # no peer measured at 1
-    assert lines[3] == "| pdserve-disagg | 8 | 100.0 | 1234 | 2000 | 80 | 150 | 4.00x | 2.00x |"
+    assert lines[2] == "| pdserve-colocated | 1 | 30.0 | 250 | 260 | 33.3 | 40 |  |  |"  # no peer measured at 1
+    assert lines[3] == "| pdserve-disagg | 8 | 100.0 | 1234 | 2000 | 80.2 | 150 | 4.00x | 2.00x |"
     assert lines[4] == "| generate_batch | 8 | 50.0 |  |  |  |  | 2.00x | 1.00x |"
     assert lines[5] == "| naive | 8 | 25.0 |  |  |  |  | 1.00x | 0.50x |"
 
