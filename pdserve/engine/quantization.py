@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pdserve.engine.cpu_kernels import cpu_kernels
+from pdserve.engine.cpu_kernels import cpu_isa, cpu_kernels
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32  # a Q4_1 block
@@ -87,7 +87,10 @@ class Int8Linear(QuantizedLinear):
 def fast_bfloat16_matmul() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AMX or AVX512-BF16): then quantized layers
     compute large batches (prefill chunks) in bfloat16, ~9x float32's speed on the Xeon of
-    docs/benchmarks.md. Elsewhere (AVX2) bfloat16 is emulated and slower than float32."""
+    docs/benchmarks.md. Elsewhere (AVX2) bfloat16 is emulated and slower than float32;
+    PDSERVE_CPU_ISA=avx2 says so too (cpu_kernels/__init__.py)."""
+    if cpu_isa() == "avx2":
+        return False
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):

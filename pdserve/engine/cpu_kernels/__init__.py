@@ -5,6 +5,12 @@ torch.utils.cpp_extension builds each source with gcc (-O3 -march=native) into
 and of this CPU's feature flags, so a cache shared by different machines (an image built on
 one host and run on another) never loads code built for instructions this CPU lacks. The
 first build takes about a minute on 2 cores; later loads take milliseconds.
+
+`PDSERVE_CPU_ISA=avx2` builds for AVX2 and FMA only (-march=haswell), whatever the CPU has, and
+turns off the bfloat16 prefill path (quantization.py): the code an AVX2-only machine (many AMD
+EPYC hosts) runs, for testing and measuring it on an AVX-512 one. With torch's own kernels held to
+AVX2 as well (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2), only the memory system and the
+clock are this machine's.
 """
 
 from __future__ import annotations
@@ -12,13 +18,27 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# -fopenmp: at::parallel_for is OpenMP in torch's CPU build, and without it runs on one thread.
-# 512-bit vectors where the CPU has them: the int8 -> float conversions bound these loops.
-COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-mprefer-vector-width=512"]
+CPU_ISA_ENV = "PDSERVE_CPU_ISA"
+ISA_TO_MARCH = {"native": "-march=native", "avx2": "-march=haswell"}
+
+
+def cpu_isa() -> str:
+    """The instruction set the kernels are built for: `native` (default) or `avx2`."""
+    isa = os.environ.get(CPU_ISA_ENV, "native")
+    if isa not in ISA_TO_MARCH:
+        raise ValueError(f"{CPU_ISA_ENV} must be one of {', '.join(ISA_TO_MARCH)}, got {isa!r}")
+    return isa
+
+
+def compile_flags() -> list[str]:
+    # -fopenmp: at::parallel_for is OpenMP in torch's CPU build, and without it runs on one thread.
+    # 512-bit vectors where the CPU has them: the int8 -> float conversions bound these loops.
+    return ["-O3", ISA_TO_MARCH[cpu_isa()], "-fopenmp", "-mprefer-vector-width=512"]
 
 
 SOURCES = ("quantized_gemv.cpp", "paged_attention.cpp", "decode_stack.cpp", "bindings.cpp")
@@ -32,12 +52,13 @@ def cpu_kernels():
 
     sources = [Path(__file__).with_name(name) for name in SOURCES]
     digest = hashlib.sha256(b"".join(source.read_bytes() for source in sources))
-    digest.update(" ".join(COMPILE_FLAGS).encode() + _cpu_flags())
+    flags = compile_flags()
+    digest.update(" ".join(flags).encode() + _cpu_flags())
     logger.info("loading pdserve's CPU kernels (compiled once per machine, about a minute)")
     return load(
         name=f"pdserve_cpu_kernels_{digest.hexdigest()[:12]}",
         sources=[str(source) for source in sources],
-        extra_cflags=COMPILE_FLAGS,
+        extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
