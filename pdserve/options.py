@@ -45,7 +45,8 @@ class EngineOptions(BaseModel):
     attention_backend: Literal["torch", "cpu"] = Field(
         EngineConfig.attention_backend,
         description="torch: SDPA over gathered context; cpu: decode attention read in place from the "
-        "paged cache by a C++ kernel (float32 on CPU; compiled on first use)",
+        "paged cache by a C++ kernel, and pure-decode steps run as one C++ call (float32 on CPU; "
+        "compiled on first use)",
     )
     quantization: Literal["none", "int8", "int4"] = Field(
         EngineConfig.quantization,

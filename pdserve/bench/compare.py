@@ -291,9 +291,16 @@ def run_compare(args: argparse.Namespace) -> tuple[list[CompareRow], list[str], 
 
 def describe_run(args: argparse.Namespace, seconds: float) -> str:
     machine = f"{os.cpu_count()} CPUs, {platform.platform()}"
+    if args.workload == "chat":
+        workload = (
+            f"chats of {args.num_turns} turns of {args.chat_turn_len}-token messages after one of "
+            f"{args.num_prefixes} shared {args.prefix_len}-token system prompts, {args.output_len} output tokens a turn"
+        )
+    else:
+        workload = f"prompts of {args.input_len} tokens, {args.output_len} output tokens"
     return (
-        f"pdserve bench compare: {args.model}, prompts of {args.input_len} tokens, {args.output_len} output "
-        f"tokens (greedy, EOS ignored); {date.today().isoformat()}, {machine}; took {seconds:.0f} s"
+        f"pdserve bench compare: {args.model}, {workload} (greedy, EOS ignored); "
+        f"{date.today().isoformat()}, {machine}; took {seconds:.0f} s"
     )
 
 

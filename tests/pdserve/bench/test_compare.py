@@ -90,3 +90,11 @@ def test_the_engine_under_a_closed_loop_keeps_n_requests_in_flight(tmp_path, mon
         assert record.start_s < record.content_times_s[0] <= record.content_times_s[-1] == record.end_s
     assert result.metrics.tpot.p50 > 0 and result.metrics.ttft.p50 > 0
     assert max(in_flight) == 2 and in_flight[0] == 2
+
+
+def test_the_run_line_describes_the_workload_that_ran():
+    synthetic = compare.describe_run(compare.parse_args(["--input-len", "210", "--output-len", "128"]), 12.0)
+    assert "prompts of 210 tokens, 128 output tokens" in synthetic and "took 12 s" in synthetic
+    chat = compare.describe_run(compare.parse_args(["--workload", "chat", "--output-len", "64"]), 12.0)
+    assert "chats of 4 turns of 48-token messages after one of 2 shared 512-token system prompts" in chat
+    assert "prompts of 200 tokens" not in chat
