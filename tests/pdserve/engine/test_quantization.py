@@ -110,6 +110,30 @@ def test_both_paths_compute_with_the_dequantized_weights(linear, num_rows):
             torch.testing.assert_close(quantized(x), exact, rtol=1e-4, atol=1e-4)
 
 
+def test_one_row_int8_products_do_not_overflow_at_the_extremes():
+    """Batch 1 multiplies in integers (int16 activations): the largest activations against the
+    largest weights over many inputs stay exact."""
+    in_features = 3 * 4096 + 32  # several of the kernel's integer chunks, and a partial one
+    weight = torch.full((4, in_features), 0.5)
+    weight[1] = -0.5
+    x = torch.full((1, in_features), 3.0)
+    y = Int8Linear(weight, None)(x)
+    torch.testing.assert_close(y, torch.tensor([[1.5, -1.5, 1.5, 1.5]]) * in_features, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("in_features", [128, 48])  # 48: not a multiple of the vector width
+def test_one_row_int8_propagates_non_finite_inputs_and_handles_any_width(in_features):
+    torch.manual_seed(1)
+    quantized = Int8Linear(torch.randn(8, in_features), None)
+    x = torch.randn(1, in_features)
+    exact = torch.nn.functional.linear(x, quantized.dequantized())
+    # int16 activations round each entry by up to 3e-5 of the largest one
+    assert (quantized(x) - exact).norm() / exact.norm() < 1e-4
+    x[0, 3] = float("nan")
+    assert quantized(x).isnan().all()
+    assert not quantized(torch.zeros(1, in_features)).any()
+
+
 def test_int4_packing_round_trips_and_matches_the_kernels_layout():
     q = torch.randint(0, 16, (8, 64), dtype=torch.int32)
     packed = int4_pack(q)
