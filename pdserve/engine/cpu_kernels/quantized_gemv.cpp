@@ -3,8 +3,10 @@
 // (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) ran 2-8x slower than float32 here, so a
 // decode step got slower with fewer bytes. One row of x (batch 1) converts weights in registers
 // as it streams them; several rows (a decode batch) convert each weight row once into a buffer
-// that every row of x then reads (4-5x faster at 8 rows). These loops are written for the compiler's
-// vectorizer (-O3 -march=native, OpenMP simd pragmas) and split the output rows over torch's threads.
+// that every row of x then reads (4-5x faster at 8 rows). The float loops are written for the
+// compiler's vectorizer (-O3 -march=native, OpenMP simd pragmas); int8 on AVX2 and AVX-512 CPUs
+// runs in integers instead (int8_linear_integer, below). All split the output rows over torch's
+// threads.
 //
 // int8:  q [N, K] int8, scale [N]             w[n, k] = q[n, k] * scale[n]
 // int4:  packed [N, K / 2] uint8, groups of 32 input channels; in group g of row n, byte j
@@ -85,36 +87,36 @@ static void int8_linear_batched(const float* xs, const int8_t* qs, const float* 
   });
 }
 
-// One row of x (batch 1) against int8 weights in integer arithmetic: x is rounded to int16 with
-// one scale (max |x| / 16383: a relative error of 3e-5 of the largest entry, far below the
-// weights' own 8 bits), and each pair of int8 weights widened to int16 multiplies and adds into an
-// int32 lane in one instruction (AVX512-VNNI vpdpwssd; AVX2 vpmaddwd + vpaddd). That is a third
-// of the float loop's instructions per weight (widen, convert, FMA per 16), which bound it at
-// ~20 GB/s on the Xeon of docs/benchmarks.md. |q| <= 127 and |x| <= 16383, so an int32 lane
-// could overflow only past 1032 products; lanes go to float every kIntChunk inputs, by when
-// each has summed at most 512 (AVX2) or 256 (AVX-512).
-// Returns false (and computes nothing) where it does not apply: no such instructions, K not a
-// multiple of the vector width, or x not finite.
+// int8 weights in integer arithmetic (int8_linear_integer): each row of x is rounded to int16
+// with its own scale (max |x| / 16383: an error of at most 3e-5 of the row's largest entry, far
+// below the weights' own 8 bits), and pairs of int8 weights widened to int16 multiply and add into
+// int32 lanes in one instruction (AVX512-VNNI vpdpwssd; AVX2 vpmaddwd + vpaddd). That is a third
+// of the float loops' instructions per weight (widen, convert, FMA per 16), which bound them on
+// the Xeon of docs/benchmarks.md: a step's int8 matrices took 6.7 ms at batch 1 (now 4.1) and
+// 18.2 ms at batch 8 (now 12.1). |q| <= 127 and |x| <= 16383, so an int32 lane could overflow
+// only past 1032 products; lanes go to float every kIntChunk inputs, by when each has summed at
+// most 512 (AVX2) or 256 (AVX-512). The float loops above remain for CPUs without AVX2, widths
+// that are not a multiple of the vector, and inputs that are not finite.
 constexpr int64_t kIntChunk = 4096;
 
+// The integer primitives: a vector of int16 lanes (IVec), int8 -> int16 widening, a pairwise
+// multiply-add into int32 lanes, and the lanes' sum as a float.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int64_t kIntWidth = 32;
-inline float dot_chunk(const int16_t* x, const int8_t* w, int64_t K) {
-  __m512i acc = _mm512_setzero_si512();
-  for (int64_t k = 0; k < K; k += 32) {
-    const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
-    acc = _mm512_dpwssd_epi32(acc, _mm512_loadu_si512(x + k), wide);
-  }
-  return _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc));
-}
+using IVec = __m512i;
+inline IVec zero() { return _mm512_setzero_si512(); }
+inline IVec load(const int16_t* x) { return _mm512_loadu_si512(x); }
+inline IVec widen(const int8_t* w) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))); }
+inline IVec multiply_add(IVec acc, IVec a, IVec b) { return _mm512_dpwssd_epi32(acc, a, b); }
+inline float lane_sum(IVec acc) { return _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc)); }
 #elif defined(__AVX2__)
 constexpr int64_t kIntWidth = 16;
-inline float dot_chunk(const int16_t* x, const int8_t* w, int64_t K) {
-  __m256i acc = _mm256_setzero_si256();
-  for (int64_t k = 0; k < K; k += 16) {
-    const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k)), wide));
-  }
+using IVec = __m256i;
+inline IVec zero() { return _mm256_setzero_si256(); }
+inline IVec load(const int16_t* x) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)); }
+inline IVec widen(const int8_t* w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))); }
+inline IVec multiply_add(IVec acc, IVec a, IVec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+inline float lane_sum(IVec acc) {
   const __m256 lanes = _mm256_cvtepi32_ps(acc);
   __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
   half = _mm_add_ps(half, _mm_movehl_ps(half, half));
@@ -122,33 +124,104 @@ inline float dot_chunk(const int16_t* x, const int8_t* w, int64_t K) {
   return _mm_cvtss_f32(half);
 }
 #else
-constexpr int64_t kIntWidth = 0;  // no integer path: the float loop serves
-inline float dot_chunk(const int16_t*, const int8_t*, int64_t) { return 0.f; }
+constexpr int64_t kIntWidth = 0;  // no integer path: the float loops serve
+using IVec = int;  // never used: int8_linear_integer returns before any of these runs
+inline IVec zero() { return 0; }
+inline IVec load(const int16_t*) { return 0; }
+inline IVec widen(const int8_t*) { return 0; }
+inline IVec multiply_add(IVec, IVec, IVec) { return 0; }
+inline float lane_sum(IVec) { return 0.f; }
 #endif
 
-static bool int8_gemv_integer(const float* xs, const int8_t* qs, const float* scales, float* ys, int64_t N, int64_t K) {
-  if (kIntWidth == 0 || K % kIntWidth != 0) return false;
-  float peak = 0.f;
-  bool finite = true;
-  for (int64_t k = 0; k < K; ++k) {
-    peak = std::max(peak, std::fabs(xs[k]));
-    finite = finite && std::isfinite(xs[k]);
+// Rows of x rounded to int16, each with its own scale; false if any entry is not finite (the
+// float loops propagate inf and NaN as torch would).
+static bool round_rows_to_int16(const float* xs, int64_t M, int64_t K, std::vector<int16_t>& xq,
+                                std::vector<float>& x_scales) {
+  xq.resize(M * K);
+  x_scales.resize(M);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = xs + m * K;
+    float peak = 0.f;
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) {
+      peak = std::max(peak, std::fabs(row[k]));
+      finite = finite && std::isfinite(row[k]);
+    }
+    if (!finite) return false;
+    x_scales[m] = peak > 0.f ? peak / 16383.f : 1.f;
+    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = static_cast<int16_t>(std::nearbyint(row[k] / x_scales[m]));
   }
-  if (!finite) return false;  // the float loop propagates inf and NaN as torch would
-  const float x_scale = peak > 0.f ? peak / 16383.f : 1.f;
-  std::vector<int16_t> xq(K);
-  for (int64_t k = 0; k < K; ++k) xq[k] = static_cast<int16_t>(std::nearbyint(xs[k] / x_scale));
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
+  return true;
+}
+
+// Up to four dot products of int16 vectors a[i] . b[i] over K, each a chain of its own: one
+// chain waits on the multiply-add's latency (~5 cycles), four keep the unit busy.
+template <int kCount>
+inline void dot_int16(const int16_t* const* a, const int16_t* const* b, int64_t K, float* out) {
+  for (int i = 0; i < kCount; ++i) out[i] = 0.f;
+  for (int64_t start = 0; start < K; start += kIntChunk) {
+    IVec lanes[kCount];
+    for (int i = 0; i < kCount; ++i) lanes[i] = zero();
+    for (int64_t k = start; k < std::min(K, start + kIntChunk); k += kIntWidth) {
+      for (int i = 0; i < kCount; ++i) lanes[i] = multiply_add(lanes[i], load(a[i] + k), load(b[i] + k));
+    }
+    for (int i = 0; i < kCount; ++i) out[i] += lane_sum(lanes[i]);
+  }
+}
+
+// One row of x against four weight rows, widened in registers as they stream by.
+inline void dot_int8_rows4(const int16_t* x, const int8_t* const* w, int64_t K, float* out) {
+  for (int i = 0; i < 4; ++i) out[i] = 0.f;
+  for (int64_t start = 0; start < K; start += kIntChunk) {
+    IVec lanes[4] = {zero(), zero(), zero(), zero()};
+    for (int64_t k = start; k < std::min(K, start + kIntChunk); k += kIntWidth) {
+      const IVec xv = load(x + k);
+      for (int i = 0; i < 4; ++i) lanes[i] = multiply_add(lanes[i], xv, widen(w[i] + k));
+    }
+    for (int i = 0; i < 4; ++i) out[i] += lane_sum(lanes[i]);
+  }
+}
+
+static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* scales, float* ys, int64_t M,
+                                int64_t N, int64_t K) {
+  if (kIntWidth == 0 || K % kIntWidth != 0) return false;
+  std::vector<int16_t> xq;
+  std::vector<float> x_scales;
+  if (!round_rows_to_int16(xs, M, K, xq, x_scales)) return false;
+  at::parallel_for(0, N, M == 1 ? 64 : 16, [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> wide(K);
+    const int16_t* wide_row = wide.data();
+    int64_t n = begin;
+    for (; M == 1 && n + 4 <= end; n += 4) {  // batch 1: four weight rows at a time
+      const int8_t* rows[4] = {qs + n * K, qs + (n + 1) * K, qs + (n + 2) * K, qs + (n + 3) * K};
+      if (n + 4 + kPrefetchRows <= end) {
+        for (int64_t offset = 0; offset < 4 * K; offset += 64) __builtin_prefetch(rows[0] + kPrefetchRows * K + offset);
+      }
+      float dots[4];
+      dot_int8_rows4(xq.data(), rows, K, dots);
+      for (int i = 0; i < 4; ++i) ys[n + i] = dots[i] * x_scales[0] * scales[n + i];
+    }
+    for (; n < end; ++n) {  // a decode batch (and batch 1's last rows): widen once, read by every row of x
       const int8_t* row = qs + n * K;
       if (n + kPrefetchRows < end) {
         for (int64_t offset = 0; offset < K; offset += 64) __builtin_prefetch(row + kPrefetchRows * K + offset);
       }
-      float acc = 0.f;
-      for (int64_t start = 0; start < K; start += kIntChunk) {
-        acc += dot_chunk(xq.data() + start, row + start, std::min(kIntChunk, K - start));
+      for (int64_t k = 0; k < K; ++k) wide[k] = row[k];
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) {
+        const int16_t* x[4] = {xq.data() + m * K, xq.data() + (m + 1) * K, xq.data() + (m + 2) * K,
+                               xq.data() + (m + 3) * K};
+        const int16_t* w[4] = {wide_row, wide_row, wide_row, wide_row};
+        float dots[4];
+        dot_int16<4>(x, w, K, dots);
+        for (int i = 0; i < 4; ++i) ys[(m + i) * N + n] = dots[i] * x_scales[m + i] * scales[n];
       }
-      ys[n] = acc * x_scale * scales[n];
+      for (; m < M; ++m) {
+        const int16_t* x[1] = {xq.data() + m * K};
+        float dot;
+        dot_int16<1>(x, &wide_row, K, &dot);
+        ys[m * N + n] = dot * x_scales[m] * scales[n];
+      }
     }
   });
   return true;
@@ -164,11 +237,11 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
   const int8_t* qs = q.data_ptr<int8_t>();
   const float* scales = scale.data_ptr<float>();
   float* ys = y.data_ptr<float>();
+  if (int8_linear_integer(xs, qs, scales, ys, M, N, K)) return y;
   if (M > 1) {
     int8_linear_batched(xs, qs, scales, ys, M, N, K);
     return y;
   }
-  if (int8_gemv_integer(xs, qs, scales, ys, N, K)) return y;
   // Four rows at a time: four independent accumulator chains share each load of x (one chain
   // alone waits on the FMA latency, not on memory).
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
