@@ -14,11 +14,12 @@ from pdserve.engine.attention import BatchLayout, get_attention_backend
 from tests.factories import load_reference, reference_greedy
 
 
-def decode_batch(context_lens: list[int], num_heads: int, num_kv_heads: int, block_size: int, seed: int = 0):
+def decode_batch(
+    context_lens: list[int], num_heads: int, num_kv_heads: int, block_size: int, head_dim: int = 64, seed: int = 0
+):
     """A filled cache, scattered block tables and one new token per sequence."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    head_dim = 64
     num_blocks = sum(-(-n // block_size) for n in context_lens) + 3
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
@@ -41,19 +42,23 @@ def decode_batch(context_lens: list[int], num_heads: int, num_kv_heads: int, blo
 
 
 @pytest.mark.parametrize(
-    ("context_lens", "num_heads", "num_kv_heads", "block_size"),
+    ("context_lens", "num_heads", "num_kv_heads", "block_size", "head_dim"),
     [
-        ([1], 4, 4, 16),  # one token: the first step after a one-token prompt
-        ([16, 17, 32, 33], 9, 3, 16),  # block boundaries; the default model's GQA ratio 3
-        ([5, 300, 1, 64], 8, 1, 16),  # multi-query attention, mixed lengths
-        ([100, 7], 6, 2, 8),  # a smaller block size
+        ([1], 4, 4, 16, 64),  # one token: the first step after a one-token prompt
+        ([16, 17, 32, 33], 9, 3, 16, 64),  # block boundaries; the default model's GQA ratio 3
+        ([5, 300, 1, 64], 8, 1, 16, 64),  # multi-query attention, mixed lengths
+        ([100, 7], 6, 2, 8, 64),  # a smaller block size
+        ([63, 64, 65, 129], 8, 2, 16, 128),  # the kernel's 64-token chunk edges; head size 128
+        ([40, 3], 4, 2, 16, 48),  # a head size the kernel has no special case for
     ],
 )
-def test_in_place_decode_attention_equals_the_torch_backend(context_lens, num_heads, num_kv_heads, block_size):
-    layout, (q, k, v), cache = decode_batch(context_lens, num_heads, num_kv_heads, block_size)
+def test_in_place_decode_attention_equals_the_torch_backend(
+    context_lens, num_heads, num_kv_heads, block_size, head_dim
+):
+    layout, (q, k, v), cache = decode_batch(context_lens, num_heads, num_kv_heads, block_size, head_dim)
     outputs = []
     for name in ("torch", "cpu"):
-        backend = get_attention_backend(name, num_heads, num_kv_heads, 64)
+        backend = get_attention_backend(name, num_heads, num_kv_heads, head_dim)
         cache_copy = tuple(c.clone() for c in cache)
         outputs.append(backend.forward(q, k, v, cache_copy, backend.prepare(layout)))
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
