@@ -17,6 +17,10 @@ docs/benchmarks.md for the commands used):
 Where the CPU lists AMX but the (virtual) machine does not grant it, -DGGML_NATIVE=ON builds AMX
 tile instructions that die with SIGILL at the first matmul: configure with -DGGML_NATIVE=OFF and
 the CPU's own features instead (-DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON ...).
+To compare on AVX2 code (what an AVX2-only EPYC runs) on an AVX-512 machine, configure with
+-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON and
+every AVX512/AMX option OFF, and run pdserve with PDSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
