@@ -8,7 +8,6 @@ engine itself takes, and the served rows beside them show what the gateway, gRPC
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -25,12 +24,11 @@ def run_level(engine: LLMEngine, load: Load, prompts: Sequence[list[int]], outpu
     started: dict[str, float] = {}
     token_times: dict[str, list[float]] = {}
     records: list[RequestRecord] = []
-    ids = (f"engine-load-{n}" for n in itertools.count())
     level_start = time.perf_counter()
     while waiting or started:
         while waiting and len(started) < load.concurrency:
-            request_id = next(ids)
-            _, prompt = waiting.popleft()
+            index, prompt = waiting.popleft()
+            request_id = f"engine-load-{index}"
             engine.add_request(request_id, prompt, params)
             started[request_id], token_times[request_id] = time.perf_counter(), []
         outputs = engine.step()

@@ -42,6 +42,7 @@ def compile_flags() -> list[str]:
 
 
 SOURCES = ("quantized_gemv.cpp", "paged_attention.cpp", "decode_stack.cpp", "bindings.cpp")
+HEADERS = ("kernels.h",)  # compiled only through the sources, but a change to it must rebuild
 
 
 @functools.cache
@@ -51,7 +52,8 @@ def cpu_kernels():
     from torch.utils.cpp_extension import load
 
     sources = [Path(__file__).with_name(name) for name in SOURCES]
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in sources))
+    headers = [Path(__file__).with_name(name) for name in HEADERS]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in (*sources, *headers)))
     flags = compile_flags()
     digest.update(" ".join(flags).encode() + _cpu_flags())
     logger.info("loading pdserve's CPU kernels (compiled once per machine, about a minute)")

@@ -1,15 +1,5 @@
 // The Python module of the CPU kernels (pdserve/engine/cpu_kernels/__init__.py loads it).
-#include <torch/extension.h>
-
-namespace pdserve {
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                          const torch::Tensor& low);
-torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens, double scale);
-void bind_decode_stack(pybind11::module& m);
-}  // namespace pdserve
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &pdserve::int8_linear, "y = x @ (q * scale).T for at most 64 rows of float32 x");

@@ -13,7 +13,7 @@
 // Float32 activations; each projection is float32 (at::linear), int8 or int4 (quantized_gemv.cpp).
 // The Python side (pdserve/engine/models/cpu_decode.py) builds the stack from a loaded model and
 // calls it only for steps in which every sequence decodes one token.
-#include <torch/extension.h>
+#include "kernels.h"
 
 #include <cmath>
 #include <optional>
@@ -22,31 +22,33 @@
 
 namespace pdserve {
 
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                          const torch::Tensor& low);
-torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens, double scale);
-
 // One projection: "dense" {weight}, "int8" {q, scale} or "int4" {packed, scale, low}, and a bias.
 struct Linear {
-  Linear(std::string kind, std::vector<torch::Tensor> weights, std::optional<torch::Tensor> bias)
-      : kind(std::move(kind)), weights(std::move(weights)), bias(std::move(bias)) {
-    const size_t expected = this->kind == "dense" ? 1 : this->kind == "int8" ? 2 : this->kind == "int4" ? 3 : 0;
-    TORCH_CHECK(expected && this->weights.size() == expected, "a ", this->kind, " projection takes ", expected,
-                " tensors, got ", this->weights.size());
+  enum class Kind { kDense, kInt8, kInt4 };
+
+  Linear(const std::string& name, std::vector<torch::Tensor> weights, std::optional<torch::Tensor> bias)
+      : kind(kind_of(name)), weights(std::move(weights)), bias(std::move(bias)) {
+    const size_t expected = kind == Kind::kDense ? 1 : kind == Kind::kInt8 ? 2 : 3;
+    TORCH_CHECK(this->weights.size() == expected, "a ", name, " projection takes ", expected, " tensors, got ",
+                this->weights.size());
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor y = kind == "dense"  ? at::linear(x, weights[0])
-                      : kind == "int8" ? int8_linear(x, weights[0], weights[1])
-                                       : int4_linear(x, weights[0], weights[1], weights[2]);
+    torch::Tensor y = kind == Kind::kDense  ? at::linear(x, weights[0])
+                      : kind == Kind::kInt8 ? int8_linear(x, weights[0], weights[1])
+                                            : int4_linear(x, weights[0], weights[1], weights[2]);
     if (bias) y.add_(*bias);
     return y;
   }
 
-  std::string kind;
+  static Kind kind_of(const std::string& name) {
+    if (name == "dense") return Kind::kDense;
+    if (name == "int8") return Kind::kInt8;
+    TORCH_CHECK(name == "int4", "a projection is dense, int8 or int4, not ", name);
+    return Kind::kInt4;
+  }
+
+  Kind kind;
   std::vector<torch::Tensor> weights;
   std::optional<torch::Tensor> bias;
 };

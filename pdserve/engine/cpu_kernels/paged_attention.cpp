@@ -12,7 +12,7 @@
 //
 // query [B, H, D], k_cache / v_cache [num_blocks, block_size, KVH, D] (float32, contiguous),
 // block_tables [B, max_blocks] int64, context_lens [B] int64 -> out [B, H, D]
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -12,7 +12,7 @@
 // int4:  packed [N, K / 2] uint8, groups of 32 input channels; in group g of row n, byte j
 //        (0..15) holds k = 32g + j in its low nibble and k = 32g + 16 + j in its high one, so
 //        both halves meet contiguous runs of x.  w[n, k] = q[n, k] * scale[n, g] + low[n, g]
-#include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.cpu_kernels import cpu_kernels
-from pdserve.engine.models.llama import LlamaModel, RMSNorm
+from pdserve.engine.models.llama import LlamaModel
 from pdserve.engine.quantization import MAX_GEMV_ROWS, Int4Linear, Int8Linear
 
 
@@ -40,19 +40,15 @@ class CpuDecodeStack:
 
     @staticmethod
     def supports(model: LlamaModel, device: torch.device, dtype: torch.dtype) -> bool:
-        """Float32 on the CPU, norms without extra parameters, projections the kernels know."""
+        """Float32 on the CPU, with projections the kernels know (dense, int8 or int4)."""
         if device.type != "cpu" or dtype != torch.float32:
             return False
-        layers = model.layers
-        norms = [model.norm, *(n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]
         projections = [
             p
-            for layer in layers
+            for layer in model.layers
             for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         ]
-        return all(type(n) is RMSNorm for n in norms) and all(
-            isinstance(p, (nn.Linear, Int8Linear, Int4Linear)) for p in projections
-        )
+        return all(isinstance(p, (nn.Linear, Int8Linear, Int4Linear)) for p in projections)
 
     def __call__(self, input_ids, positions, slots, block_tables, context_lens) -> torch.Tensor:
         """The final-normed hidden states [B, hidden] of B sequences decoding one token each;

@@ -1,0 +1,19 @@
+// The kernels each source defines and the others (and the Python bindings) call.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace pdserve {
+
+// quantized_gemv.cpp
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                          const torch::Tensor& low);
+// paged_attention.cpp
+torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                     const torch::Tensor& context_lens, double scale);
+// decode_stack.cpp: its Linear and DecodeStack classes
+void bind_decode_stack(pybind11::module& m);
+
+}  // namespace pdserve
