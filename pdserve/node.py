@@ -102,9 +102,14 @@ def run_node(role: NodeRole, settings: NodeSettings) -> None:
         for loop, stop in signalled:
             loop.call_soon_threadsafe(stop.set)
 
+    rpc_failure: list[BaseException] = []
+
     def serve_rpcs() -> None:
         try:
             asyncio.run(_serve(role, settings, service, async_engine, metrics, stop_requested, signalled))
+        except BaseException as error:
+            rpc_failure.append(error)
+            raise
         finally:
             async_engine.stop()  # whatever ended the server ends the engine loop too
 
@@ -114,6 +119,8 @@ def run_node(role: NodeRole, settings: NodeSettings) -> None:
     rpc_thread.start()
     async_engine.run_in_current_thread()
     rpc_thread.join()
+    if rpc_failure:  # e.g. its port was taken: a supervisor must see a failed start, not exit code 0
+        raise SystemExit(f"{role} node stopped: its RPC server failed: {rpc_failure[0]}")
 
 
 async def _serve(

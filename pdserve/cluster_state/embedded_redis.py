@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import random
 import shutil
 import signal
 import socket
@@ -43,11 +44,44 @@ def redis_server_path() -> str:
     return path
 
 
+# Listening ports are drawn from here, below the kernel's ephemeral range (Linux: 32768 and up).
+_LISTEN_PORTS_FROM = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free right now (another process may still take it before we bind it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A port that is free right now, for a server that binds it a moment later.
+
+    Drawn at random below the ephemeral range, not from a bind to port 0: the kernel hands ports
+    of that range to every outgoing connection, and in CI a client socket took a node's port
+    between this check and the node's own bind ("Failed to bind to address"). Below it, only a
+    server that picks the same number by hand can take it.
+    """
+    first_ephemeral = _first_ephemeral_port()
+    for _ in range(100):
+        port = random.randrange(_LISTEN_PORTS_FROM, first_ephemeral)
+        if _bindable(host, port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a crowded range: any free port
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        first = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the IANA dynamic range starts at 49152
+        first = 49152
+    return max(first, _LISTEN_PORTS_FROM + 1000)
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def die_with_parent() -> None:

