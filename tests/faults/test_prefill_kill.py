@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 
 import httpx
 import pytest
@@ -38,10 +39,27 @@ async def completion(client: httpx.AsyncClient, model: str, i: int) -> httpx.Res
     return await client.post("/v1/completions", json=body)
 
 
-def busy_prefill_node(base_url: str) -> str | None:
-    """A prefill node the gateway has sent prompts whose prefill has not returned, if any."""
+def busy_prefill_nodes(base_url: str) -> list[str]:
+    """The prefill nodes the gateway has sent prompts whose prefill has not returned."""
     samples = metric_samples(base_url, "pdserve_gateway_queued_prompt_tokens")
-    return next((labels["node_id"] for labels, value in samples if value > 0), None)
+    return [labels["node_id"] for labels, value in samples if value > 0]
+
+
+def freeze_a_busy_prefill_node(cluster) -> str:
+    """SIGSTOPs a prefill node that still owes the gateway prefills, and returns its id.
+
+    Checked again after the stop: between one read of the gateway's metrics and a kill, a
+    node can finish its last prefill (CI once killed a node that no longer held any, and no
+    request was retried). Frozen, it cannot; a reply already on the wire lands within the pause.
+    """
+    for _ in range(20):
+        victim = wait_until(lambda: busy_prefill_nodes(cluster.base_url), 30, "a prefill node with prompts")[0]
+        cluster.send_signal(victim, signal.SIGSTOP)
+        time.sleep(0.5)
+        if victim in busy_prefill_nodes(cluster.base_url):
+            return victim
+        cluster.send_signal(victim, signal.SIGCONT)
+    raise AssertionError("no prefill node stayed busy while frozen")
 
 
 def test_killing_a_prefill_node_under_load_fails_no_request(cluster):
@@ -49,7 +67,7 @@ def test_killing_a_prefill_node_under_load_fails_no_request(cluster):
         async with httpx.AsyncClient(base_url=cluster.base_url, timeout=120) as client:
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
             requests = [asyncio.create_task(completion(client, model, i)) for i in range(NUM_REQUESTS)]
-            victim = await asyncio.to_thread(wait_until, lambda: busy_prefill_node(cluster.base_url), 30, "a prefill")
+            victim = await asyncio.to_thread(freeze_a_busy_prefill_node, cluster)
             cluster.send_signal(victim, signal.SIGKILL)
             return victim, await asyncio.gather(*requests)
 
@@ -59,6 +77,6 @@ def test_killing_a_prefill_node_under_load_fails_no_request(cluster):
     assert all(r.json()["usage"]["completion_tokens"] == MAX_TOKENS for r in responses)
     assert cluster.child(victim).process.wait(timeout=10) == -signal.SIGKILL
     retried = metric_samples(cluster.base_url, "pdserve_gateway_retries_total", node_id=victim)
-    assert retried and retried[0][1] >= 1  # prefills that died with the node went again elsewhere
+    assert retried and retried[0][1] >= 1, f"no retry counted against {victim}"  # its prefills went elsewhere
 
     wait_until_drained(cluster, num_nodes=2, dead_node=victim)
