@@ -42,11 +42,22 @@ class EngineOptions(BaseModel):
     model: str = Field(DEFAULT_MODEL, description=MODEL_HELP)
     dtype: Literal["float32", "bfloat16", "float16"] = Field(EngineConfig.dtype, description="weights and KV cache")
     device: str = Field(EngineConfig.device, description="torch device")
-    attention_backend: Literal["torch", "cpu"] = Field(
+    attention_backend: Literal["torch", "cpu", "triton"] = Field(
         EngineConfig.attention_backend,
         description="torch: SDPA over gathered context; cpu: decode attention read in place from the "
         "paged cache by a C++ kernel, and pure-decode steps run as one C++ call (float32 on CPU; "
-        "compiled on first use)",
+        "compiled on first use); triton: Triton kernels over the paged cache, fused RMSNorm and "
+        "rotary, CUDA graphs for decode steps (--device cuda)",
+    )
+    gpu_memory_utilization: float = Field(
+        CacheConfig.gpu_memory_utilization,
+        gt=0,
+        le=1,
+        description="on CUDA: the share of the GPU's memory the engine takes (weights, activations, KV "
+        "cache); the KV cache gets what is left of it (--kv-cache-gib applies on CPU)",
+    )
+    enforce_eager: bool = Field(
+        EngineConfig.enforce_eager, description="on CUDA: run decode steps eagerly instead of from CUDA graphs"
     )
     quantization: Literal["none", "int8", "int4"] = Field(
         EngineConfig.quantization,
@@ -68,9 +79,11 @@ class EngineOptions(BaseModel):
             device=self.device,
             quantization=self.quantization,
             attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_bytes=int(self.kv_cache_gib * GIB),
+                gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.prefix_caching,
             ),
             scheduler=SchedulerConfig(

@@ -11,12 +11,15 @@ from pdserve.engine.model_loader import DEFAULT_MODEL
 class CacheConfig:
     """Shape of the paged KV cache.
 
-    `num_blocks=None` sizes the pool from `kv_cache_memory_bytes` once the model is known.
+    `num_blocks=None` sizes the pool once the model is known: from `kv_cache_memory_bytes` on
+    CPU; on CUDA from the GPU's memory, of which the engine takes `gpu_memory_utilization` in all
+    (weights, activations and KV cache), as vLLM's flag of that name does.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -26,6 +29,8 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1 (or None to size from memory), got {self.num_blocks}")
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "torch"
     quantization: str = "none"  # weight-only: none | int8 | int4 (pdserve/engine/quantization.py)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
@@ -63,6 +69,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in ("none", "int8", "int4"):
             raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
+        if self.attention_backend not in ("torch", "cpu", "triton"):
+            raise ValueError(f"attention_backend must be torch, cpu or triton, got {self.attention_backend!r}")
         if self.quantization != "none" and not self.device.startswith("cpu"):
             raise ValueError(f"--quantization {self.quantization} runs on torch's CPU kernels only, not {self.device}")
         if not self.model:

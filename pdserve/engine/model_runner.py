@@ -8,6 +8,7 @@ position of sequences that complete this step, and sample.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -45,8 +46,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
+        check_backend_fits_device(config.attention_backend, self.device, self.block_size)
         self.model = self._load_model(config, model_path, hf_config)
-        self.num_blocks = config.cache.num_blocks or self._num_blocks_for(config.cache.kv_cache_memory_bytes, hf_config)
+        self.model.triton_ops = config.attention_backend == "triton"
+        self.num_blocks = config.cache.num_blocks or self._num_blocks_for(self._kv_cache_bytes(config), hf_config)
         attn = self.model.layers[0].self_attn
         spec = KvCacheSpec(
             hf_config.num_hidden_layers, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype,
@@ -85,6 +88,29 @@ class ModelRunner:
         model = model.to(self.dtype).eval()
         quantize_linears(model, config.quantization)
         return model
+
+    def _kv_cache_bytes(self, config: EngineConfig) -> int:
+        """On CPU, what --kv-cache-gib says; on CUDA, the engine's share of the GPU's memory
+        less what is used already (weights, other processes) and the activations' headroom."""
+        if self.device.type != "cuda":
+            return config.cache.kv_cache_memory_bytes
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = free - (1 - config.cache.gpu_memory_utilization) * total - self._activation_bytes(config)
+        if budget <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free after "
+                f"loading the model; raise --gpu-memory-utilization or lower --max-num-batched-tokens"
+            )
+        return int(budget)
+
+    def _activation_bytes(self, config: EngineConfig) -> int:
+        """A bound on one step's activations: a few hidden-sized and intermediate-sized rows per
+        token (the MLP's gate and up outputs are the largest), and float32 logits per sampled row."""
+        hf = self.model.config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        per_token = (6 * hf.hidden_size + 3 * hf.intermediate_size) * element
+        logits = 3 * config.scheduler.max_num_seqs * hf.vocab_size * 4
+        return 2 * config.scheduler.max_num_batched_tokens * per_token + logits
 
     def _num_blocks_for(self, memory_bytes: int, hf_config: PretrainedConfig) -> int:
         attn = self.model.layers[0].self_attn
@@ -163,3 +189,16 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.seeds.pop(request_id, None)
+
+
+def check_backend_fits_device(backend: str, device: torch.device, block_size: int) -> None:
+    """Refuses the triton backend where its kernels cannot run: on CPU they run only in
+    Triton's interpreter (the tests), far too slowly to serve."""
+    if backend != "triton":
+        return
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"--attention-backend triton runs on CUDA (--device cuda), not {device}; on CPU use torch or cpu"
+        )
+    if block_size < 16:
+        raise ValueError(f"--attention-backend triton needs --block-size 16 or more (tl.dot tiles), got {block_size}")

@@ -7,6 +7,8 @@ into one matmul each to keep the number of kernels per layer small.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -53,12 +55,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.backend = backend
 
-    def forward(self, x, cos, sin, kv_cache, attn_metadata) -> torch.Tensor:
+    def forward(self, x, rotate, kv_cache, attn_metadata) -> torch.Tensor:
+        """`rotate(qk)`: the rotary embedding of this step's positions, applied to q and k heads."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         # Rotate q and k heads together: one set of elementwise kernels instead of two.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = rotate(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -85,13 +88,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache, attn_metadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_metadata)
+    def forward(self, x, rotate, kv_cache, attn_metadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotate, kv_cache, attn_metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
-    """Mutates nothing but the KV caches passed to `forward`."""
+    """Mutates nothing but the KV caches passed to `forward`.
+
+    `triton_ops` (set with the triton attention backend): norms and rotary run as Triton
+    kernels, each norm fused with the residual add before it.
+    """
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -105,18 +112,45 @@ class LlamaModel(nn.Module):
         cos, sin = rotary_tables(config)
         self.register_buffer("cos_table", cos, persistent=False)
         self.register_buffer("sin_table", sin, persistent=False)
+        self.triton_ops = False
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata, after_layer=None) -> torch.Tensor:
         """Hidden states of every token: [num_tokens, hidden_size]. `after_layer(i)` runs once
         layer i's K/V are in the cache (a prefill node pushes them while later layers run)."""
+        if self.triton_ops:
+            return self._forward_triton(input_ids, positions, kv_caches, attn_metadata, after_layer)
         cos = self.cos_table[positions].unsqueeze(1)
         sin = self.sin_table[positions].unsqueeze(1)
+        rotate = functools.partial(apply_rotary, cos=cos, signed_sin=sin)
         x = self.embed_tokens(input_ids)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
+            x = layer(x, rotate, kv_cache, attn_metadata)
             if after_layer is not None:
                 after_layer(index)
         return self.norm(x)
+
+    def _forward_triton(self, input_ids, positions, kv_caches, attn_metadata, after_layer) -> torch.Tensor:
+        """`forward` with Triton's norms and rotary: the residual stream is carried beside the
+        layer outputs and added inside the next norm, so each add costs no pass of its own."""
+        from pdserve.engine.triton_kernels import elementwise
+
+        rotate = functools.partial(
+            elementwise.apply_rotary, positions=positions, cos_table=self.cos_table, signed_sin_table=self.sin_table
+        )
+        x, residual = self.embed_tokens(input_ids), None
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            norm = layer.input_layernorm
+            if residual is None:
+                h, residual = elementwise.rms_norm(x, norm.weight, norm.eps), x
+            else:
+                h, residual = elementwise.rms_norm(x, norm.weight, norm.eps, residual)
+            x = layer.self_attn(h, rotate, kv_cache, attn_metadata)
+            norm = layer.post_attention_layernorm
+            h, residual = elementwise.rms_norm(x, norm.weight, norm.eps, residual)
+            x = layer.mlp(h)
+            if after_layer is not None:
+                after_layer(index)
+        return elementwise.rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -5,7 +5,7 @@ num_kv_heads, head_dim], contiguous, so token slot `s` of KV head `h` starts at 
 `(s * num_kv_heads + h) * head_dim`. Every kernel walks a sequence's block table and reads
 pages where they lie: nothing gathers a context.
 
-  store_kv:          one program per (token, KV head) copies the new K/V rows to their slots;
+  store_kv:          one program per token copies its new K/V rows to their slot;
                      slot -1 is a padding token (CUDA-graph batches) and writes nothing.
   decode attention:  split-K. One program per (sequence, KV head, split) attends every query
                      head of the KV head's group (GQA: the group shares each page it loads) over
@@ -37,31 +37,32 @@ def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     key_stride_t, key_stride_h, value_stride_t, value_stride_h,
     num_kv_heads, head_dim,
-    BLOCK_D: tl.constexpr,
+    HEADS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
-    head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    mask = d < tl.where(slot >= 0, head_dim, 0)  # a padding token masks every column
-    k = tl.load(key_ptr + token * key_stride_t + head * key_stride_h + d, mask=mask)
-    v = tl.load(value_ptr + token * value_stride_t + head * value_stride_h + d, mask=mask)
-    dst = (slot * num_kv_heads + head) * head_dim + d
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < num_kv_heads) & (d < tl.where(slot >= 0, head_dim, 0))  # a padding token masks everything
+    k = tl.load(key_ptr + token * key_stride_t + h * key_stride_h + d, mask=mask)
+    v = tl.load(value_ptr + token * value_stride_t + h * value_stride_h + d, mask=mask)
+    dst = (slot * num_kv_heads + h) * head_dim + d
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Writes key/value [num_tokens, num_kv_heads, head_dim] (any row strides) at their slots."""
+    """Writes key/value [num_tokens, num_kv_heads, head_dim] (any row strides) at their slots;
+    one program per token writes all its KV heads."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     assert key.stride(2) == 1 and value.stride(2) == 1, "head_dim must be contiguous"
-    _store_kv_kernel[(num_tokens, num_kv_heads)](
+    _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         num_kv_heads, head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
     )  # fmt: skip
 
 

@@ -53,23 +53,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def _rotary_kernel(
     x_ptr, out_ptr, cos_ptr, sin_ptr, positions_ptr,
     x_stride_t, x_stride_h, num_heads, head_dim,
-    HALF_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
-    head = tl.program_id(1)
     half = head_dim // 2
-    i = tl.arange(0, HALF_PAD)
-    mask = i < half
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    i = tl.arange(0, HALF_PAD)[None, :]
+    mask = (h < num_heads) & (i < half)
     position = tl.load(positions_ptr + token).to(tl.int64)
-    src = x_ptr + token * x_stride_t + head * x_stride_h
-    first = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
+    src = x_ptr + token * x_stride_t + h * x_stride_h
+    first = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)  # [heads, half]
     second = tl.load(src + half + i, mask=mask, other=0.0).to(tl.float32)
-    table = position * head_dim
-    cos_first = tl.load(cos_ptr + table + i, mask=mask, other=0.0)
-    cos_second = tl.load(cos_ptr + table + half + i, mask=mask, other=0.0)
-    sin_first = tl.load(sin_ptr + table + i, mask=mask, other=0.0)  # signed: -sin
-    sin_second = tl.load(sin_ptr + table + half + i, mask=mask, other=0.0)
-    dst = out_ptr + (token * num_heads + head) * head_dim
+    table = position * head_dim  # one row of each table serves every head
+    cos_first = tl.load(cos_ptr + table + i, mask=i < half, other=0.0).to(tl.float32)
+    cos_second = tl.load(cos_ptr + table + half + i, mask=i < half, other=0.0).to(tl.float32)
+    sin_first = tl.load(sin_ptr + table + i, mask=i < half, other=0.0).to(tl.float32)  # signed: -sin
+    sin_second = tl.load(sin_ptr + table + half + i, mask=i < half, other=0.0).to(tl.float32)
+    dst = out_ptr + (token * num_heads + h) * head_dim
     tl.store(dst + i, (first * cos_first + second * sin_first).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + half + i, (second * cos_second + first * sin_second).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -77,14 +77,14 @@ def _rotary_kernel(
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, signed_sin_table: torch.Tensor):
     """The rotary embedding of x [num_tokens, num_heads, head_dim] (any row strides) at
     `positions`, from pdserve's float32 tables (cos, and sin with rotate_half's sign folded in);
-    returns a new contiguous tensor."""
+    returns a new contiguous tensor. One program per token rotates all its heads."""
     num_tokens, num_heads, head_dim = x.shape
     assert x.stride(2) == 1 and head_dim % 2 == 0
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
     if num_tokens:
-        _rotary_kernel[(num_tokens, num_heads)](
+        _rotary_kernel[(num_tokens,)](
             x, out, cos_table, signed_sin_table, positions,
             x.stride(0), x.stride(1), num_heads, head_dim,
-            HALF_PAD=triton.next_power_of_2(head_dim // 2),
+            HEADS_PAD=triton.next_power_of_2(num_heads), HALF_PAD=triton.next_power_of_2(head_dim // 2),
         )  # fmt: skip
     return out

@@ -2,25 +2,39 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
 
 from pdserve.engine import CacheConfig, EngineConfig, EngineLoad, HeldPrompt, LLMEngine, SamplingParams, SchedulerConfig
-from tests.factories import TINY_VOCAB, assert_greedy_equal, reference_greedy
+from tests.factories import TINY_VOCAB, assert_greedy_equal, load_reference, reference_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
-def make_engine(path, num_blocks=64, max_num_batched_tokens=256, max_num_seqs=16, prefix_caching=True) -> LLMEngine:
+def make_engine(
+    path, num_blocks=64, max_num_batched_tokens=256, max_num_seqs=16, prefix_caching=True, attention_backend="torch"
+) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(path),
+            attention_backend=attention_backend,
             cache=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
         )
     )
+
+
+@pytest.fixture(scope="module", params=[("llama", "torch"), ("qwen2", "torch"), ("llama", "triton")], ids="-".join)
+def model_and_engine(request, tiny_llama_path, tiny_qwen2_path):
+    """(folder, transformers reference, make_engine with an attention backend): both tiny
+    architectures with the torch backend, and the triton backend (on CPU in Triton's
+    interpreter: slow, and the architectures differ only in the projections' biases)."""
+    arch, backend = request.param
+    path = tiny_llama_path if arch == "llama" else tiny_qwen2_path
+    return path, load_reference(path), functools.partial(make_engine, attention_backend=backend)
 
 
 def random_prompt(length: int, seed: int) -> list[int]:
@@ -51,27 +65,27 @@ def assert_matches_reference(reference, prompts, outputs, max_tokens):
 
 
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 33, 100])
-def test_single_prompt_lengths_around_block_boundaries(tiny_model, length):
-    path, reference = tiny_model
-    engine = make_engine(path)
+def test_single_prompt_lengths_around_block_boundaries(model_and_engine, length):
+    path, reference, engine_for = model_and_engine
+    engine = engine_for(path)
     prompt = random_prompt(length, seed=length)
     (out,) = engine.generate([prompt], GREEDY)
     assert len(out.token_ids) == GREEDY.max_tokens and out.finish_reason == "length"
     assert_matches_reference(reference, [prompt], [out.token_ids], GREEDY.max_tokens)
 
 
-def test_mixed_batch_submitted_at_different_steps(tiny_model):
-    path, reference = tiny_model
-    engine = make_engine(path)
+def test_mixed_batch_submitted_at_different_steps(model_and_engine):
+    path, reference, engine_for = model_and_engine
+    engine = engine_for(path)
     prompts = [random_prompt(n, seed=i) for i, n in enumerate([1, 15, 16, 17, 33, 100, 7, 48])]
     tokens = run_staggered(engine, prompts, GREEDY)
     assert_matches_reference(reference, prompts, [tokens[f"req-{i}"] for i in range(8)], GREEDY.max_tokens)
     assert engine.kv_cache_manager.req_to_blocks == {}
 
 
-def test_prefix_cache_hits_keep_output_identical(tiny_model):
-    path, reference = tiny_model
-    engine = make_engine(path)
+def test_prefix_cache_hits_keep_output_identical(model_and_engine):
+    path, reference, engine_for = model_and_engine
+    engine = engine_for(path)
     system = random_prompt(48, seed=99)  # three full blocks shared by every request
     prompts = [system + random_prompt(n, seed=100 + n) for n in (5, 16, 30)]
     first = engine.generate(prompts[:1], GREEDY)
@@ -83,9 +97,9 @@ def test_prefix_cache_hits_keep_output_identical(tiny_model):
     )
 
 
-def test_fully_cached_prompt_recomputes_its_last_block(tiny_model):
-    path, reference = tiny_model
-    engine = make_engine(path)
+def test_fully_cached_prompt_recomputes_its_last_block(model_and_engine):
+    path, reference, engine_for = model_and_engine
+    engine = engine_for(path)
     prompt = random_prompt(32, seed=5)
     first = engine.generate([prompt], GREEDY)[0]
     second = engine.generate([prompt], GREEDY)[0]
@@ -94,18 +108,18 @@ def test_fully_cached_prompt_recomputes_its_last_block(tiny_model):
     assert_matches_reference(reference, [prompt], [second.token_ids], GREEDY.max_tokens)
 
 
-def test_chunked_prefill_with_budget_smaller_than_prompt(tiny_model):
-    path, reference = tiny_model
-    engine = make_engine(path, max_num_batched_tokens=24)
+def test_chunked_prefill_with_budget_smaller_than_prompt(model_and_engine):
+    path, reference, engine_for = model_and_engine
+    engine = engine_for(path, max_num_batched_tokens=24)
     prompts = [random_prompt(100, seed=1), random_prompt(57, seed=2), random_prompt(3, seed=3)]
     outputs = engine.generate(prompts, GREEDY)
     assert_matches_reference(reference, prompts, [o.token_ids for o in outputs], GREEDY.max_tokens)
 
 
-def test_preemption_when_the_pool_runs_out(tiny_model):
-    path, reference = tiny_model
+def test_preemption_when_the_pool_runs_out(model_and_engine):
+    path, reference, engine_for = model_and_engine
     # 12 blocks of 16 tokens; four 40-token prompts growing to 60 tokens need 16 blocks.
-    engine = make_engine(path, num_blocks=12, prefix_caching=False)
+    engine = engine_for(path, num_blocks=12, prefix_caching=False)
     params = SamplingParams(max_tokens=20, temperature=0.0)
     prompts = [random_prompt(40, seed=10 + i) for i in range(4)]
     requests = [engine.add_request(f"p{i}", p, params) for i, p in enumerate(prompts)]

@@ -162,3 +162,23 @@ def test_rotary_matches_the_model_rotary():
     strided.copy_(qk)
     got = elementwise.apply_rotary(strided, positions, cos, sin)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_triton_backend_refuses_to_serve_on_cpu_and_small_blocks(monkeypatch):
+    from pdserve.engine.model_runner import check_backend_fits_device
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        check_backend_fits_device("triton", torch.device("cpu"), 16)
+    check_backend_fits_device("torch", torch.device("cpu"), 16)
+    with pytest.raises(ValueError, match="--block-size 16 or more"):
+        check_backend_fits_device("triton", torch.device("cuda"), 8)
+
+
+def test_gpu_memory_utilization_is_a_share():
+    from pdserve.engine import CacheConfig
+
+    assert CacheConfig(gpu_memory_utilization=0.5).gpu_memory_utilization == 0.5
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            CacheConfig(gpu_memory_utilization=bad)
