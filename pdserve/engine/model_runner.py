@@ -61,6 +61,7 @@ class ModelRunner:
             if config.attention_backend == "cpu" and CpuDecodeStack.supports(self.model, self.device, self.dtype)
             else None
         )
+        self.decode_graphs = self._capture_decode_graphs(config, hf_config)
         self.sampler = Sampler()
         self.seed_generator = torch.Generator().manual_seed(config.seed)
         self.seeds: dict[str, int] = {}  # request id -> its seed, drawn here for unseeded requests
@@ -88,6 +89,21 @@ class ModelRunner:
         model = model.to(self.dtype).eval()
         quantize_linears(model, config.quantization)
         return model
+
+    def _capture_decode_graphs(self, config: EngineConfig, hf_config: PretrainedConfig):
+        """CUDA graphs of pure-decode steps (pdserve/engine/cuda_graphs.py), or None: on CPU, with
+        another backend (their metadata is not static), or with --enforce-eager."""
+        if self.device.type != "cuda" or config.attention_backend != "triton" or config.enforce_eager:
+            return None
+        from pdserve.engine.cuda_graphs import DecodeGraphs
+
+        max_context_len = min(hf_config.max_position_embeddings, self.num_blocks * self.block_size)
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, config.scheduler.max_num_seqs, max_context_len, self.block_size
+        )
+        graphs.capture()
+        logger.info("captured CUDA graphs for decode batches of %s sequences", graphs.buckets)
+        return graphs
 
     def _kv_cache_bytes(self, config: EngineConfig) -> int:
         """On CPU, what --kv-cache-gib says; on CUDA, the engine's share of the GPU's memory
@@ -127,6 +143,24 @@ class ModelRunner:
         `after_layer(i)` is called as soon as layer i's K/V are written."""
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
         input_ids, positions, slots, logits_index, sampled = self._flatten(ordered)
+        hidden = self._run_model(ordered, input_ids, positions, slots, after_layer)
+        if not sampled:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_index, device=self.device)])
+        params = [s.request.sampling_params for s in sampled]
+        seeds = [self._seed(s.request.request_id, s.request.sampling_params.seed) for s in sampled]
+        # The index of the token each row samples, counting outputs sent before a resumed stream began.
+        positions = [s.request.sampling_params.num_prior_output_tokens + s.request.num_output_tokens for s in sampled]
+        out = self.sampler(logits, params, seeds, positions)
+        return {s.request.request_id: (tok, lp) for s, tok, lp in zip(sampled, out.token_ids, out.logprobs)}
+
+    def _run_model(self, ordered, input_ids, positions, slots, after_layer) -> torch.Tensor:
+        """Hidden states of every token of the step: from a CUDA graph, the C++ decode stack, or the model."""
+        all_decode = all(s.num_new_tokens == 1 for s in ordered)
+        graphs = self.decode_graphs
+        if graphs is not None and all_decode and after_layer is None and len(ordered) <= graphs.max_batch:
+            context_lens = [s.start_position + 1 for s in ordered]
+            return graphs.run(input_ids, positions, slots, [s.block_ids for s in ordered], context_lens)
         layout = BatchLayout(
             query_lens=[s.num_new_tokens for s in ordered],
             context_lens=[s.start_position + s.num_new_tokens for s in ordered],
@@ -138,20 +172,10 @@ class ModelRunner:
         metadata = self.model.layers[0].self_attn.backend.prepare(layout)
         input_ids, positions = (torch.tensor(values, device=self.device) for values in (input_ids, positions))
         if self._decode_stack_runs(layout, after_layer):
-            hidden = self.decode_stack(
+            return self.decode_stack(
                 input_ids, positions, layout.slot_mapping, metadata.decode.block_table, metadata.decode.context_lens
             )
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, metadata, after_layer)
-        if not sampled:
-            return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_index, device=self.device)])
-        params = [s.request.sampling_params for s in sampled]
-        seeds = [self._seed(s.request.request_id, s.request.sampling_params.seed) for s in sampled]
-        # The index of the token each row samples, counting outputs sent before a resumed stream began.
-        positions = [s.request.sampling_params.num_prior_output_tokens + s.request.num_output_tokens for s in sampled]
-        out = self.sampler(logits, params, seeds, positions)
-        return {s.request.request_id: (tok, lp) for s, tok, lp in zip(sampled, out.token_ids, out.logprobs)}
+        return self.model(input_ids, positions, self.kv_caches, metadata, after_layer)
 
     def _decode_stack_runs(self, layout: BatchLayout, after_layer) -> bool:
         """Whether this step goes through the C++ decode stack: every sequence decodes one token,
