@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 MODEL  ?= smollm2-135m
 
-.PHONY: up test check install model bench clean compose-check
+.PHONY: up test check install model bench clean compose-check gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,3 +47,8 @@ clean:
 # Issue 13's proof with Docker (root, a daemon; not part of `make test`): scripts/compose_check.sh.
 compose-check: install
 	PY=$(PY) scripts/compose_check.sh
+
+# On a GPU machine, from the source tree with the machine's own Python (no venv, nothing
+# installed; it needs torch, triton and transformers): one JSON summary, also in gpu-check.json.
+gpu-check:
+	PYTHONPATH=. python3 -m pdserve.engine.gpu_check --json gpu-check.json
