@@ -43,11 +43,17 @@ class DecodeNodeService:
     layer_hook = None
 
     def __init__(
-        self, kv_transport: str, kv_lease_s: float, max_reserve_wait_s: float, colocated: bool = False
+        self,
+        kv_transport: str,
+        kv_lease_s: float,
+        max_reserve_wait_s: float,
+        colocated: bool = False,
+        device: str = "cpu",
     ) -> None:
         self.kv_lease_s = kv_lease_s
         self.max_reserve_wait_s = max_reserve_wait_s
-        shared = not colocated and kv_transport != "grpc"
+        # auto: shared memory only where the cache lives in host memory; a GPU cache takes the gRPC stream.
+        shared = not colocated and (kv_transport == "shm" or (kv_transport == "auto" and device == "cpu"))
         self.kv_storage = SharedMemoryKvStorage() if shared else None
         self._receiver: KvReceiver | None = None
 

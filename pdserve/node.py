@@ -77,7 +77,9 @@ def node_service(role: NodeRole, settings: NodeSettings) -> NodeService:
             settings.channel_credentials(),
         )
     colocated = role == "colocated"
-    return DecodeNodeService(settings.kv_transport, settings.kv_lease_s, settings.max_reserve_wait_s, colocated)
+    return DecodeNodeService(
+        settings.kv_transport, settings.kv_lease_s, settings.max_reserve_wait_s, colocated, settings.device
+    )
 
 
 def run_node(role: NodeRole, settings: NodeSettings) -> None:

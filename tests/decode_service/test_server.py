@@ -15,6 +15,7 @@ def test_a_decode_node_shares_its_kv_cache_unless_told_grpc_or_colocated():
     assert isinstance(DecodeNodeService("shm", 10.0, 5.0).kv_storage, SharedMemoryKvStorage)
     assert DecodeNodeService("grpc", 10.0, 5.0).kv_storage is None
     assert DecodeNodeService("auto", 10.0, 5.0, colocated=True).kv_storage is None
+    assert DecodeNodeService("auto", 10.0, 5.0, device="cuda").kv_storage is None  # a GPU cache: the gRPC stream
     assert DecodeNodeService("auto", 10.0, 5.0).layer_hook is None
 
 
