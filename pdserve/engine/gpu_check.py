@@ -21,6 +21,7 @@ present: the suite runs it so the script itself stays working between GPU sessio
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -77,6 +78,9 @@ def build_random_model(folder: Path, shape: dict, dtype: torch.dtype = torch.flo
 
 
 def engine(folder: Path, dtype: str = "float32", backend: str = "triton", eager: bool = False, **sched) -> LLMEngine:
+    if torch.cuda.is_available():  # the last engine's cache and graphs go back before this one measures free memory
+        gc.collect()
+        torch.cuda.empty_cache()
     cache = CacheConfig(gpu_memory_utilization=0.5) if device() == "cuda" else CacheConfig(num_blocks=256)
     scheduler = SchedulerConfig(**sched) if sched else SchedulerConfig()
     config = EngineConfig(
