@@ -51,4 +51,4 @@ compose-check: install
 # On a GPU machine, from the source tree with the machine's own Python (no venv, nothing
 # installed; it needs torch, triton and transformers): one JSON summary, also in gpu-check.json.
 gpu-check:
-	PYTHONPATH=. python3 -m pdserve.engine.gpu_check --json gpu-check.json
+	PYTHONPATH=. python3 -m pdserve.gpu_check --json gpu-check.json

@@ -1,9 +1,10 @@
 """The decode role for the node runtime (`pdserve decode` and `pdserve colocated`).
 
-A decode node keeps its KV cache in a shared-memory segment (unless `--kv-transport grpc`), so
-same-host prefill nodes write pages straight into the reserved blocks; other hosts push pages
-over the gRPC KV stream. A colocated node is a decode node whose requests all ask for
-`local_prefill`: prefill and decode share one engine and one continuous batch, no KV transfer."""
+A decode node on CPU keeps its KV cache in a shared-memory segment, and one on a GPU exports its
+cache with CUDA IPC (unless `--kv-transport grpc`), so same-host prefill nodes write pages
+straight into the reserved blocks; other hosts push pages over the gRPC KV stream. A colocated
+node is a decode node whose requests all ask for `local_prefill`: prefill and decode share one
+engine and one continuous batch, no KV transfer."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 
 from decode_service.servicer import DecodeServicer
 from kvtransfer.base import KvReceiver, KvTransferStats
+from kvtransfer.cuda_ipc import export_kv_cache
 from kvtransfer.grpc_transport import KvTransferServicer
-from kvtransfer.shm_transport import SharedKvCache, host_id
+from kvtransfer.shm_transport import SharedKvCache, host_id, kv_layout
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.kv_cache import KvCacheSpec, stacked_view
 from protos import decode_pb2_grpc
@@ -52,19 +54,29 @@ class DecodeNodeService:
     ) -> None:
         self.kv_lease_s = kv_lease_s
         self.max_reserve_wait_s = max_reserve_wait_s
-        # auto: shared memory only where the cache lives in host memory; a GPU cache takes the gRPC stream.
+        if kv_transport == "cuda_ipc" and device == "cpu":
+            raise ValueError("--kv-transport cuda_ipc moves pages between GPUs: use it with --device cuda")
+        # auto: shared memory where the cache lives in host memory; a GPU cache is exported with CUDA IPC.
         shared = not colocated and (kv_transport == "shm" or (kv_transport == "auto" and device == "cpu"))
         self.kv_storage = SharedMemoryKvStorage() if shared else None
+        self.exports_cuda_ipc = not colocated and device != "cpu" and kv_transport in ("auto", "cuda_ipc")
         self._receiver: KvReceiver | None = None
 
     def add_to_server(self, server: grpc.aio.Server, async_engine: AsyncEngine) -> None:
         segment = self.kv_storage.segment if self.kv_storage is not None else None
         kv_caches = async_engine.engine.kv_caches
-        self._receiver = KvReceiver(kv_caches, in_shared_memory=segment is not None, lease_s=self.kv_lease_s)
+        ipc_handle = export_kv_cache(stacked_view(kv_caches)) if self.exports_cuda_ipc else b""
+        in_place = segment is not None or bool(ipc_handle)  # same-host senders write pages directly
+        self._receiver = KvReceiver(kv_caches, in_shared_memory=in_place, lease_s=self.kv_lease_s)
         servicer = DecodeServicer(async_engine, self._receiver, self.max_reserve_wait_s)
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
-        shared_kv = (segment.name, host_id(), segment.layout) if segment is not None else ("", "", "")
-        KvTransferServicer(self._receiver, shared_kv).add_to_server(server)
+        if segment is not None:
+            shared_kv = (segment.name, host_id(), segment.layout)
+        elif ipc_handle:
+            shared_kv = ("", host_id(), kv_layout(kv_caches))
+        else:
+            shared_kv = ("", "", "")
+        KvTransferServicer(self._receiver, shared_kv, ipc_handle).add_to_server(server)
 
     def kv_transfer_stats(self) -> KvTransferStats:
         return self._receiver.stats() if self._receiver is not None else KvTransferStats()

@@ -83,6 +83,7 @@ class KvDestination:
     host_id: str = ""
     kv_layout: str = ""
     num_cached_blocks: int = 0  # the prompt's leading blocks the decode node holds already: not sent
+    cuda_ipc_handle: bytes = b""  # a GPU decode node's exported cache (cuda_ipc_transport.py)
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,13 @@ class GrpcKvSender(KvSender):
         with _transfer_errors(f"reservation at {address}"):
             answer = await self._stub(address).GetReservation(request, timeout=timeout_s)
         shm = (answer.shm_name, answer.host_id, answer.kv_layout)
-        return KvDestination(address, tuple(answer.block_ids), *shm, num_cached_blocks=answer.num_cached_blocks)
+        return KvDestination(
+            address,
+            tuple(answer.block_ids),
+            *shm,
+            num_cached_blocks=answer.num_cached_blocks,
+            cuda_ipc_handle=answer.cuda_ipc_handle,
+        )
 
     async def renew_leases(self, address: str, request_ids: list[str], timeout_s: float) -> LeaseRenewal:
         request = kv_transfer_pb2.RenewLeasesRequest(request_ids=request_ids)
@@ -151,11 +157,15 @@ class GrpcKvStream(KvStream):
 class KvTransferServicer:
     """Decode side: feeds every pushed message to the receiver; the first error ends the stream.
     `shared_kv` (name, host id, layout of the KV cache's shared-memory segment) is offered to
-    senders that ask for a reservation, when the cache lives in one."""
+    senders that ask for a reservation, when the cache lives in one; `cuda_ipc_handle`, when it
+    lives on a GPU and was exported (the host id and layout then describe it)."""
 
-    def __init__(self, receiver: KvReceiver, shared_kv: tuple[str, str, str] = ("", "", "")) -> None:
+    def __init__(
+        self, receiver: KvReceiver, shared_kv: tuple[str, str, str] = ("", "", ""), cuda_ipc_handle: bytes = b""
+    ) -> None:
         self.receiver = receiver
         self.shared_kv = shared_kv
+        self.cuda_ipc_handle = cuda_ipc_handle
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Registers both methods; PushKv messages are decoded by page_codec (pages as views)."""
@@ -219,6 +229,7 @@ class KvTransferServicer:
             shm_name=shm_name,
             host_id=host_id,
             kv_layout=kv_layout,
+            cuda_ipc_handle=self.cuda_ipc_handle,
         )
 
 

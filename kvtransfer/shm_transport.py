@@ -128,6 +128,9 @@ class ShmKvSender(KvSender):
     async def renew_leases(self, address: str, request_ids: list[str], timeout_s: float) -> LeaseRenewal:
         return await self.grpc_sender.renew_leases(address, request_ids, timeout_s)  # metadata: over gRPC
 
+    async def commit(self, destination: KvDestination, commit: KvCommit) -> None:
+        await self.grpc_sender.commit(destination, commit)
+
     def _attach(self, destination: KvDestination):
         """Maps the decode node's segment (once per segment; cheap afterwards)."""
         if destination.shm_name not in self._mappings:

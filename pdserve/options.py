@@ -97,8 +97,10 @@ class KvTransferOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    kv_transport: Literal["auto", "grpc", "shm"] = Field(
-        "auto", description="auto: shared memory between nodes on one host, else the gRPC stream"
+    kv_transport: Literal["auto", "grpc", "shm", "cuda_ipc"] = Field(
+        "auto",
+        description="auto: between nodes on one host, device to device (CUDA IPC) for GPU caches and shared "
+        "memory for CPU ones, else the gRPC stream",
     )
     kv_lease_s: float = Field(
         10.0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import grpc
 
 from kvtransfer.base import KvSender, KvTransferStats
+from kvtransfer.cuda_ipc_transport import CudaIpcKvSender
 from kvtransfer.grpc_transport import GrpcKvSender
 from kvtransfer.lease_keeper import LeaseKeeper
 from kvtransfer.shm_transport import ShmKvSender
@@ -68,10 +69,8 @@ class PrefillNodeService:
         self._servicer: PrefillServicer | None = None
 
     def add_to_server(self, server: grpc.aio.Server, async_engine: AsyncEngine) -> None:
-        # auto and shm: shared memory when the decode node shares this host, else the gRPC stream.
-        grpc_only = self.kv_transport == "grpc"
         grpc_sender = GrpcKvSender(client_interceptors(self.cluster_secret), self.credentials)
-        self._sender = grpc_sender if grpc_only else ShmKvSender(grpc_sender, require=self.kv_transport == "shm")
+        self._sender = kv_sender(self.kv_transport, grpc_sender)
         leases = LeaseKeeper(self._sender, self.kv_lease_s)
         self._servicer = PrefillServicer(async_engine, self._sender, self.pushes, leases, self.decode_nodes)
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self._servicer, server)
@@ -91,3 +90,16 @@ class PrefillNodeService:
         await self._servicer.close()
         if self.decode_nodes is not None:
             await self.decode_nodes.close()
+
+
+def kv_sender(kv_transport: str, grpc_sender: GrpcKvSender) -> KvSender:
+    """The sender for --kv-transport. auto: device to device (CUDA IPC) when the decode node's
+    cache is on a GPU this process sees, shared memory when it is in this host's memory, else
+    the gRPC stream; shm and cuda_ipc: that path or an error; grpc: always the stream."""
+    if kv_transport == "grpc":
+        return grpc_sender
+    if kv_transport == "shm":
+        return ShmKvSender(grpc_sender, require=True)
+    if kv_transport == "cuda_ipc":
+        return CudaIpcKvSender(grpc_sender, require=True)
+    return CudaIpcKvSender(ShmKvSender(grpc_sender))

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/kv_transfer.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\x93\x01\n\x06KvPage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12 \n\x04kind\x18\x03 \x01(\x0e\x32\x12.pdserve.v1.KvKind\x12\x13\n\x0b\x62lock_index\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\"\x87\x01\n\x08KvCommit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12/\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x1e\n\x16pages_in_shared_memory\x18\x04 \x01(\x08\"0\n\x0bKvPageBatch\x12!\n\x05pages\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.KvPage\"o\n\rPushKvRequest\x12(\n\x05pages\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.KvPageBatchH\x00\x12&\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KvCommitH\x00\x42\x06\n\x04itemJ\x04\x08\x01\x10\x02\"+\n\x0ePushKvResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\")\n\x12RenewLeasesRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"E\n\x13RenewLeasesResponse\x12\x1c\n\x14released_request_ids\x18\x01 \x03(\t\x12\x10\n\x08lease_ms\x18\x02 \x01(\x05\"2\n\x15GetReservationRequest\x12\x19\n\x11reservation_token\x18\x01 \x01(\t\"|\n\x16GetReservationResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\x05\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x11\n\tkv_layout\x18\x05 \x01(\t*,\n\x06KvKind\x12\x0f\n\x0bKV_KIND_KEY\x10\x00\x12\x11\n\rKV_KIND_VALUE\x10\x01\x32\xbd\x02\n\x11KvTransferService\x12\x41\n\x06PushKv\x12\x19.pdserve.v1.PushKvRequest\x1a\x1a.pdserve.v1.PushKvResponse(\x01\x12<\n\x08\x43ommitKv\x12\x14.pdserve.v1.KvCommit\x1a\x1a.pdserve.v1.PushKvResponse\x12N\n\x0bRenewLeases\x12\x1e.pdserve.v1.RenewLeasesRequest\x1a\x1f.pdserve.v1.RenewLeasesResponse\x12W\n\x0eGetReservation\x12!.pdserve.v1.GetReservationRequest\x1a\".pdserve.v1.GetReservationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/kv_transfer.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\x93\x01\n\x06KvPage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12 \n\x04kind\x18\x03 \x01(\x0e\x32\x12.pdserve.v1.KvKind\x12\x13\n\x0b\x62lock_index\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\"\x87\x01\n\x08KvCommit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12/\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x1e\n\x16pages_in_shared_memory\x18\x04 \x01(\x08\"0\n\x0bKvPageBatch\x12!\n\x05pages\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.KvPage\"o\n\rPushKvRequest\x12(\n\x05pages\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.KvPageBatchH\x00\x12&\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KvCommitH\x00\x42\x06\n\x04itemJ\x04\x08\x01\x10\x02\"+\n\x0ePushKvResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\")\n\x12RenewLeasesRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"E\n\x13RenewLeasesResponse\x12\x1c\n\x14released_request_ids\x18\x01 \x03(\t\x12\x10\n\x08lease_ms\x18\x02 \x01(\x05\"2\n\x15GetReservationRequest\x12\x19\n\x11reservation_token\x18\x01 \x01(\t\"\x95\x01\n\x16GetReservationResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\x05\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x11\n\tkv_layout\x18\x05 \x01(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x06 \x01(\x0c*,\n\x06KvKind\x12\x0f\n\x0bKV_KIND_KEY\x10\x00\x12\x11\n\rKV_KIND_VALUE\x10\x01\x32\xbd\x02\n\x11KvTransferService\x12\x41\n\x06PushKv\x12\x19.pdserve.v1.PushKvRequest\x1a\x1a.pdserve.v1.PushKvResponse(\x01\x12<\n\x08\x43ommitKv\x12\x14.pdserve.v1.KvCommit\x1a\x1a.pdserve.v1.PushKvResponse\x12N\n\x0bRenewLeases\x12\x1e.pdserve.v1.RenewLeasesRequest\x1a\x1f.pdserve.v1.RenewLeasesResponse\x12W\n\x0eGetReservation\x12!.pdserve.v1.GetReservationRequest\x1a\".pdserve.v1.GetReservationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVKIND']._serialized_start=849
-  _globals['_KVKIND']._serialized_end=893
+  _globals['_KVKIND']._serialized_start=875
+  _globals['_KVKIND']._serialized_end=919
   _globals['_KVPAGE']._serialized_start=62
   _globals['_KVPAGE']._serialized_end=209
   _globals['_KVCOMMIT']._serialized_start=212
@@ -50,8 +50,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RENEWLEASESRESPONSE']._serialized_end=669
   _globals['_GETRESERVATIONREQUEST']._serialized_start=671
   _globals['_GETRESERVATIONREQUEST']._serialized_end=721
-  _globals['_GETRESERVATIONRESPONSE']._serialized_start=723
-  _globals['_GETRESERVATIONRESPONSE']._serialized_end=847
-  _globals['_KVTRANSFERSERVICE']._serialized_start=896
-  _globals['_KVTRANSFERSERVICE']._serialized_end=1213
+  _globals['_GETRESERVATIONRESPONSE']._serialized_start=724
+  _globals['_GETRESERVATIONRESPONSE']._serialized_end=873
+  _globals['_KVTRANSFERSERVICE']._serialized_start=922
+  _globals['_KVTRANSFERSERVICE']._serialized_end=1239
 # @@protoc_insertion_point(module_scope)

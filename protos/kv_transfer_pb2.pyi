@@ -88,15 +88,17 @@ class GetReservationRequest(_message.Message):
     def __init__(self, reservation_token: _Optional[str] = ...) -> None: ...
 
 class GetReservationResponse(_message.Message):
-    __slots__ = ("block_ids", "num_cached_blocks", "shm_name", "host_id", "kv_layout")
+    __slots__ = ("block_ids", "num_cached_blocks", "shm_name", "host_id", "kv_layout", "cuda_ipc_handle")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_blocks: int
     shm_name: str
     host_id: str
     kv_layout: str
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., shm_name: _Optional[str] = ..., host_id: _Optional[str] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+    cuda_ipc_handle: bytes
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., shm_name: _Optional[str] = ..., host_id: _Optional[str] = ..., kv_layout: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ...) -> None: ...

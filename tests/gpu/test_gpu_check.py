@@ -1,4 +1,4 @@
-"""The GPU check's checks (pdserve/engine/gpu_check.py, which `make gpu-check` runs on a GPU
+"""The GPU check's checks (pdserve/gpu_check.py, which `make gpu-check` runs on a GPU
 machine). The `gpu`-marked tests need CUDA and run there; the first test runs the same checks
 on tiny shapes anywhere (on CPU under Triton's interpreter), so they keep working between
 GPU sessions."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine import gpu_check
+from pdserve import gpu_check
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make gpu-check)")
 
@@ -57,3 +57,9 @@ def test_backends_agree_on_the_gpu(default_shape_model):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graphs_give_the_eager_tokens(default_shape_model, dtype):
     assert_ok(gpu_check.check_graphs_match_eager(default_shape_model, 49152, dtype))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_ipc_pages_written_by_another_process_land_in_this_cache():
+    assert_ok(gpu_check.cuda_ipc_bandwidth(2, 8))

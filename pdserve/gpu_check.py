@@ -1,4 +1,4 @@
-"""The one-command GPU check: `make gpu-check`, or `PYTHONPATH=. python3 -m pdserve.engine.gpu_check`.
+"""The one-command GPU check: `make gpu-check`, or `PYTHONPATH=. python3 -m pdserve.gpu_check`.
 
 Runs from the source tree on a bare GPU machine (torch, triton, transformers, safetensors): it
 imports the engine only, never the gateway. The models are random-weight, built from configs
@@ -13,6 +13,8 @@ figures that mean something on a GPU. It prints one JSON summary:
   decode      the batch-1 decode step (CUDA graphs) against the bandwidth floor
   throughput  offline output tok/s at 1, 32 and 256 concurrent requests (200-token prompts,
               128 output tokens), pdserve against transformers' generate_batch, same GPU
+  kv_transfer_cuda_ipc  a second process writes a 1.4 GB cache's pages into this one's through
+              CUDA IPC, layer by layer, against a device copy of the same bytes
 
 `--smoke` runs every part on tiny shapes, on CPU under Triton's interpreter where no GPU is
 present: the suite runs it so the script itself stays working between GPU sessions.
@@ -24,6 +26,7 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -232,6 +235,61 @@ def transformers_throughput(folder: Path, concurrency: int, prompt_len: int, out
     return sum(len(out.generated_tokens) for out in outputs.values()) / elapsed
 
 
+def cuda_ipc_bandwidth(num_layers: int, num_blocks: int) -> dict:
+    """A second process opens this one's exported KV cache and copies every block of its own
+    cache into it, layer by layer, as a prefill node does; against a copy of the same bytes
+    inside one process, in that same child."""
+    from kvtransfer.cuda_ipc import export_kv_cache
+
+    shape = (num_layers, 2, num_blocks, 16, 8, 128)
+    stacked = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        handle = Path(tmp) / "handle.json"
+        handle.write_bytes(export_kv_cache(stacked))
+        layout = ",".join(map(str, (num_layers, *shape[2:], "bfloat16")))
+        argv = [sys.executable, "-m", "pdserve.gpu_check", "--ipc-child", str(handle), layout]
+        child = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    if child.returncode != 0:
+        return {"ok": False, "error": child.stderr[-500:]}
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    result["landed"] = bool(stacked[-1, 1, -1].float().abs().sum() > 0)  # the child's writes are visible here
+    result["ok"] = result["landed"]
+    return result
+
+
+def _ipc_child(handle_path: str, layout: str) -> None:
+    from kvtransfer.base import copy_blocks
+    from kvtransfer.cuda_ipc import open_kv_caches
+
+    target = open_kv_caches(Path(handle_path).read_bytes(), layout)
+    if target is None:
+        raise SystemExit("this process cannot open the handle (another GPU?)")
+    source = [(torch.randn_like(k), torch.randn_like(v)) for k, v in target]
+    blocks = list(range(target[0][0].shape[0]))
+
+    def send_all_layers() -> None:
+        for (k, v), (target_k, target_v) in zip(source, target):
+            copy_blocks(k, target_k, blocks, blocks)
+            copy_blocks(v, target_v, blocks, blocks)
+
+    local = [(torch.empty_like(k), torch.empty_like(v)) for k, v in source]
+
+    def copy_locally() -> None:
+        for (k, v), (local_k, local_v) in zip(source, local):
+            local_k.copy_(k)
+            local_v.copy_(v)
+
+    num_bytes = sum(2 * k.numel() * k.element_size() for k, _ in source)
+    ipc, same_process = timed(send_all_layers, 10), timed(copy_locally, 10)
+    result = {
+        "gib": round(num_bytes / 2**30, 2),
+        "ipc_gb_per_s": round(num_bytes / ipc / 1e9, 1),
+        "device_copy_gb_per_s": round(num_bytes / same_process / 1e9, 1),
+        "share_of_device_copy": round(same_process / ipc, 3),
+    }
+    print(json.dumps(result))
+
+
 def run(smoke: bool) -> dict:
     summary: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "smoke": smoke}
     summary["versions"] = {
@@ -259,7 +317,8 @@ def run(smoke: bool) -> dict:
         large = build_random_model(Path(tmp) / "large", large_shape, torch.bfloat16)
         summary["decode"] = _guarded(lambda: decode_step(large, bandwidth, 64 if smoke else 200))
         summary["throughput"] = _guarded(lambda: throughput(large, large_shape["vocab_size"], smoke))
-    summary["kv_transfer_cuda_ipc"] = "not built yet: KV pages between GPU nodes go through the gRPC stream"
+    if device() == "cuda":
+        summary["kv_transfer_cuda_ipc"] = _guarded(lambda: cuda_ipc_bandwidth(*((2, 8) if smoke else (22, 1024))))
     summary["ok"] = all(c.get("ok") for c in summary["checks"].values())
     return summary
 
@@ -300,7 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script, measures nothing")
     parser.add_argument("--json", help="also write the summary to this file")
+    parser.add_argument("--ipc-child", nargs=2, metavar=("HANDLE", "LAYOUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.ipc_child:
+        _ipc_child(*args.ipc_child)
+        return 0
     summary = run(args.smoke)
     text = json.dumps(summary, indent=2)
     print(text)
