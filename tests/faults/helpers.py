@@ -1,6 +1,7 @@
 """What the fault tests check after every fault: the registry's view of the nodes, and that
 nothing stays counted, reserved or held (gateway in-flight counts, nodes' pending transfers
-and free blocks)."""
+and free blocks). The waits are generous: a drained cluster passes at once, and on a loaded
+2-core CI machine a node's registry entry can lag its state by seconds."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def wait_until_nodes_idle(cluster: Launcher, num_nodes: int, dead_node: str | No
         live = [info for node_id, info in node_infos(cluster.redis_url).items() if node_id != dead_node]
         return len(live) == num_nodes and all(is_idle(info) for info in live)
 
-    wait_until(idle, 10, f"{num_nodes} live nodes to report no pending transfer and all blocks free")
+    wait_until(idle, 30, f"{num_nodes} live nodes to report no pending transfer and all blocks free")
 
 
 def wait_until_drained(cluster: Launcher, num_nodes: int, dead_node: str | None = None) -> None:
@@ -39,5 +40,5 @@ def wait_until_drained(cluster: Launcher, num_nodes: int, dead_node: str | None 
     def gateway_drained() -> bool:
         return not any(value for _, value in metric_samples(cluster.base_url, "pdserve_gateway_in_flight_requests"))
 
-    wait_until(gateway_drained, 10, "the gateway's in-flight counts to return to 0")
+    wait_until(gateway_drained, 30, "the gateway's in-flight counts to return to 0")
     wait_until_nodes_idle(cluster, num_nodes, dead_node)

@@ -50,16 +50,24 @@ def freeze_a_busy_prefill_node(cluster) -> str:
 
     Checked again after the stop: between one read of the gateway's metrics and a kill, a
     node can finish its last prefill (CI once killed a node that no longer held any, and no
-    request was retried). Frozen, it cannot; a reply already on the wire lands within the pause.
+    request was retried). Frozen, it cannot; a reply already on the wire reaches the gateway
+    within the pause, which is checked twice because a loaded gateway may read it late.
     """
     for _ in range(20):
         victim = wait_until(lambda: busy_prefill_nodes(cluster.base_url), 30, "a prefill node with prompts")[0]
         cluster.send_signal(victim, signal.SIGSTOP)
-        time.sleep(0.5)
-        if victim in busy_prefill_nodes(cluster.base_url):
+        if stays_busy(cluster, victim):
             return victim
         cluster.send_signal(victim, signal.SIGCONT)
     raise AssertionError("no prefill node stayed busy while frozen")
+
+
+def stays_busy(cluster, node_id: str, num_checks: int = 2, interval_s: float = 0.5) -> bool:
+    for _ in range(num_checks):
+        time.sleep(interval_s)
+        if node_id not in busy_prefill_nodes(cluster.base_url):
+            return False
+    return True
 
 
 def test_killing_a_prefill_node_under_load_fails_no_request(cluster):
@@ -73,10 +81,16 @@ def test_killing_a_prefill_node_under_load_fails_no_request(cluster):
 
     victim, responses = asyncio.run(load_then_kill())
     failures = [r.text for r in responses if r.status_code != 200]
-    assert failures == []
+    assert failures == [], gateway_log(cluster)
     assert all(r.json()["usage"]["completion_tokens"] == MAX_TOKENS for r in responses)
     assert cluster.child(victim).process.wait(timeout=10) == -signal.SIGKILL
     retried = metric_samples(cluster.base_url, "pdserve_gateway_retries_total", node_id=victim)
-    assert retried and retried[0][1] >= 1, f"no retry counted against {victim}"  # its prefills went elsewhere
+    # Its prefills went elsewhere.
+    assert retried and retried[0][1] >= 1, f"no retry counted against {victim}\n{gateway_log(cluster)}"
 
     wait_until_drained(cluster, num_nodes=2, dead_node=victim)
+
+
+def gateway_log(cluster, num_lines: int = 40) -> str:
+    """The end of the gateway's log, which names every retry and failure, for an assertion's message."""
+    return "gateway log:\n" + "\n".join(cluster.log("gateway").splitlines()[-num_lines:])
