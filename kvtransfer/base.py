@@ -143,14 +143,31 @@ def iter_pages(
     kv_caches, request_id: str, block_ids: list[int], max_bytes: int = MAX_MESSAGE_BYTES, layers: range | None = None
 ) -> Iterator[KvPage]:
     """Reads a request's blocks layer by layer, K then V, in messages of at most max_bytes."""
-    block_bytes = kv_caches[0][0][0].numel() * kv_caches[0][0].element_size()
-    per_page = max(1, (max_bytes - 1024) // block_bytes)  # leave room for the header fields
+    per_page = pages_per_message(kv_caches[0][0], max_bytes)
     for layer in layers if layers is not None else range(len(kv_caches)):
         for kind, cache in ((KEY, kv_caches[layer][0]), (VALUE, kv_caches[layer][1])):
             for start in range(0, len(block_ids), per_page):
                 blocks = _gather(cache, block_ids[start : start + per_page])
-                data = memoryview(blocks.contiguous().view(torch.uint8).numpy()).cast("B")  # no copy for a run
-                yield KvPage(request_id, layer, kind, start, blocks.shape[0], dtype_name(cache.dtype), data)
+                yield _page(request_id, layer, kind, start, blocks)
+
+
+def pages_of_blocks(request_id: str, layer: int, kind: int, blocks: torch.Tensor, max_bytes: int) -> list[KvPage]:
+    """Pages over blocks already gathered in host memory, in request order (host_staging.py)."""
+    per_page = pages_per_message(blocks, max_bytes)
+    return [
+        _page(request_id, layer, kind, start, blocks[start : start + per_page])
+        for start in range(0, blocks.shape[0], per_page)
+    ]
+
+
+def pages_per_message(cache: torch.Tensor, max_bytes: int) -> int:
+    block_bytes = cache[0].numel() * cache.element_size()
+    return max(1, (max_bytes - 1024) // block_bytes)  # leave room for the header fields
+
+
+def _page(request_id: str, layer: int, kind: int, block_index: int, blocks: torch.Tensor) -> KvPage:
+    data = memoryview(blocks.contiguous().view(torch.uint8).numpy()).cast("B")  # no copy for a run
+    return KvPage(request_id, layer, kind, block_index, blocks.shape[0], dtype_name(blocks.dtype), data)
 
 
 def _gather(cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:

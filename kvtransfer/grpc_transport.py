@@ -5,6 +5,8 @@ sends each layer's pages as it is computed, then a commit; the decode node's ser
 message to its KvReceiver and answers once, with ok or the first error. Page messages are encoded and decoded by
 `page_codec` (one copy of the bytes per side), not by the generated stubs. `RenewLeases` renews
 the receiver's reservations for prompts still waiting on the prefill node (kvtransfer/lease.py).
+A GPU cache's pages go through pinned host buffers, copied while later layers compute
+(host_staging.py).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import grpc
+import torch
 
 from kvtransfer.base import (
+    MAX_MESSAGE_BYTES,
     KvCommit,
     KvDestination,
     KvReceiver,
@@ -25,6 +29,7 @@ from kvtransfer.base import (
     TransferError,
     iter_pages,
 )
+from kvtransfer.host_staging import HostStaging, StagedLayer
 from kvtransfer.page_codec import (
     batch_pages,
     commit_from_proto,
@@ -54,16 +59,29 @@ PUSH_KV = "/pdserve.v1.KvTransferService/PushKv"
 
 class GrpcKvSender(KvSender):
     """Keeps one channel per decode address; `interceptors` go on each (the cluster secret's), and
-    with `credentials` each is TLS (protos/tls.py)."""
+    with `credentials` each is TLS (protos/tls.py). A cache off the CPU is read through a
+    HostStaging for its device; `stage_host_caches` sends a CPU cache that way too (tests)."""
 
     def __init__(
         self,
         interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
         credentials: grpc.ChannelCredentials | None = None,
+        stage_host_caches: bool = False,
     ) -> None:
         self._interceptors = list(interceptors)
         self._credentials = credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stage_host_caches = stage_host_caches
+        self._staging: dict[torch.device, HostStaging] = {}
+
+    def staging_for(self, kv_caches) -> HostStaging | None:
+        """The staging for the cache's device; None where the pages can be read in place."""
+        device = kv_caches[0][0].device
+        if device.type == "cpu" and not self._stage_host_caches:
+            return None
+        if device not in self._staging:
+            self._staging[device] = HostStaging(device)
+        return self._staging[device]
 
     def open_stream(self, destination: KvDestination, kv_caches, request_id: str) -> GrpcKvStream:
         return GrpcKvStream(self, destination, kv_caches, request_id)
@@ -127,14 +145,21 @@ class GrpcKvStream(KvStream):
     def __init__(self, sender: GrpcKvSender, destination: KvDestination, kv_caches, request_id: str) -> None:
         self.kv_caches = kv_caches
         self.request_id = request_id
+        self.staging = sender.staging_for(kv_caches)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.staged: list[StagedLayer] = []  # buffers to hand back if the stream ends early
         self.call = asyncio.create_task(sender._push(destination.address, self._messages()))
 
     def send_layer(self, layer: int, block_ids: list[int]) -> None:
-        layer_pages = iter_pages(self.kv_caches, self.request_id, block_ids, layers=range(layer, layer + 1))
-        messages = [encode_pages(pages) for pages in batch_pages(layer_pages)]
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (messages, False))
+        """On the engine thread: a host cache's pages are encoded now; a GPU cache's start their
+        copy to host memory, and the event loop encodes them once it lands."""
+        if self.staging is not None:
+            item = self.staging.stage(self.kv_caches, self.request_id, layer, block_ids)
+        else:
+            layer_pages = iter_pages(self.kv_caches, self.request_id, block_ids, layers=range(layer, layer + 1))
+            item = [encode_pages(pages) for pages in batch_pages(layer_pages)]
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (item, False))
 
     async def commit(self, commit: KvCommit) -> None:
         # Through the loop's callback queue, so that the commit goes after the pages that
@@ -146,12 +171,34 @@ class GrpcKvStream(KvStream):
         self.call.cancel()
 
     async def _messages(self):
-        while True:
-            messages, last = await self.queue.get()
-            for message in messages:
-                yield message
-            if last:
-                return
+        try:
+            while True:
+                item, last = await self.queue.get()
+                messages = await self._encode_staged(item) if isinstance(item, StagedLayer) else item
+                for message in messages:
+                    yield message
+                if last:
+                    return
+        finally:
+            self._release_staged()
+
+    async def _encode_staged(self, staged: StagedLayer) -> list[bytes]:
+        self.staged.append(staged)
+        await staged.wait()
+        messages = [encode_pages(pages) for pages in batch_pages(staged.pages(MAX_MESSAGE_BYTES))]
+        staged.release()  # the bytes are in the messages now
+        return messages
+
+    def _release_staged(self) -> None:
+        """A stream that ended early (cancelled, failed) still hands back what it staged; a
+        layer whose copy may still be running is left to the garbage collector, not reused."""
+        while not self.queue.empty():
+            item, _ = self.queue.get_nowait()
+            if isinstance(item, StagedLayer):
+                self.staged.append(item)
+        for staged in self.staged:
+            if staged.copied is None or staged.copied.query():
+                staged.release()
 
 
 class KvTransferServicer:

@@ -33,6 +33,12 @@ def test_the_checks_pass_on_tiny_shapes(tiny_model):
     assert_ok(gpu_check.check_backends_agree(tiny_model, vocab))
 
 
+def test_the_grpc_transfer_figure_pushes_every_page_on_tiny_shapes():
+    result = gpu_check.grpc_bandwidth(num_layers=2, num_blocks=8)
+    assert_ok(result)
+    assert result["gb_per_s"] > 0
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("backend", ["triton", "torch"])
