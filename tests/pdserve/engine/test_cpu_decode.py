@@ -69,7 +69,12 @@ def test_the_stack_decodes_what_the_module_path_decodes(tmp_path, monkeypatch, a
     tokens, logprobs = generate(engine)
 
     assert tokens == expected_tokens
-    torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=1e-4)
+    # The quantized GEMV rounds each activation row to int16 steps of 3e-5 of its largest
+    # entry: a float difference in the last bits between the two paths' own norm and rotary
+    # code can move a value one step, so their log-probabilities agree less closely (1.2e-4
+    # apart on an AVX2-only AMD EPYC, where the vector loops are 8 floats wide, not 16).
+    atol = 1e-4 if quantization == "none" else 5e-4
+    torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=atol)
     assert stack.calls == 11  # 12 tokens: the first comes from the prefill, 11 decode steps
     assert module_calls[0] == 1  # the one prefill step (all three prompts in one chunk)
 
