@@ -40,9 +40,11 @@ class QuantizedLinear(nn.Module):
     """The shape handling and the choice of path both formats share; subclasses hold the weights
     and say how each path multiplies a [rows, in] float batch."""
 
+    gemv_max_rows = MAX_GEMV_ROWS  # larger batches (prefill chunks) go to a dense matmul
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= MAX_GEMV_ROWS:
+        if rows.shape[0] <= MAX_GEMV_ROWS or (rows.shape[0] <= self.gemv_max_rows and not fast_bfloat16_matmul()):
             y = self.gemv(rows.float().contiguous())
         elif fast_bfloat16_matmul():
             y = self.bfloat16_matmul(rows.bfloat16())
@@ -62,7 +64,12 @@ class QuantizedLinear(nn.Module):
 
 
 class Int8Linear(QuantizedLinear):
-    """y = x @ (q * scale).T + bias, with q int8 [out, in] and one scale per output channel."""
+    """y = x @ (q * scale).T + bias, with q int8 [out, in] and one scale per output channel.
+    Prefill chunks too go to the C++ kernel where bfloat16 is not native (AVX2): its integer
+    path multiplies int16 pairs at twice float32's rate and reads int8, where the dense matmul
+    first wrote a float32 copy of every weight."""
+
+    gemv_max_rows = 1 << 62
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()

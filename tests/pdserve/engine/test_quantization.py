@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.engine.cpu_kernels import cpu_kernels
 from pdserve.engine.model_loader import resolve_model
 from pdserve.engine.quantization import (
     MAX_GEMV_ROWS,
@@ -99,7 +100,7 @@ def test_quantization_is_cpu_only_and_named():
         EngineConfig(quantization="fp8")
 
 
-@pytest.mark.parametrize("num_rows", [1, 5, 16, 64, 65, 90])  # the C++ kernels up to 64 rows, a dense matmul above
+@pytest.mark.parametrize("num_rows", [1, 5, 16, 64, 65, 90, 131])  # int4: a dense matmul above 64 rows
 def test_both_paths_compute_with_the_dequantized_weights(linear, num_rows):
     x = torch.randn(num_rows, 128)
     for quantized in (Int8Linear(linear.weight, linear.bias), Int4Linear(linear.weight, linear.bias)):
@@ -108,6 +109,18 @@ def test_both_paths_compute_with_the_dequantized_weights(linear, num_rows):
             assert (quantized(x) - exact).norm() / exact.norm() < 0.01
         else:
             torch.testing.assert_close(quantized(x), exact, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_rows", [7, 70, 210])  # blocks of four rows and a tail; several row blocks
+def test_int8_prefill_chunks_multiply_in_the_kernel_with_any_row_and_column_count(num_rows):
+    """Where bfloat16 is not native (AVX2), prefill chunks go to the kernel too: pairs of weight
+    rows against blocks of four rows of x, with odd tails on both sides."""
+    torch.manual_seed(2)
+    quantized = Int8Linear(torch.randn(97, 160), None)
+    x = torch.randn(num_rows, 160)
+    y = cpu_kernels().int8_linear(x, quantized.qweight, quantized.scale)
+    exact = torch.nn.functional.linear(x, quantized.dequantized())
+    assert (y - exact).norm() / exact.norm() < 1e-4  # int16 activations: up to 3e-5 of each row's largest entry
 
 
 def test_one_row_int8_products_do_not_overflow_at_the_extremes():
