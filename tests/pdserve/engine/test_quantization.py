@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.engine import EngineConfig, LLMEngine, quantization
 from pdserve.engine.cpu_kernels import cpu_kernels
 from pdserve.engine.model_loader import resolve_model
 from pdserve.engine.quantization import (
@@ -121,6 +121,23 @@ def test_int8_prefill_chunks_multiply_in_the_kernel_with_any_row_and_column_coun
     y = cpu_kernels().int8_linear(x, quantized.qweight, quantized.scale)
     exact = torch.nn.functional.linear(x, quantized.dequantized())
     assert (y - exact).norm() / exact.norm() < 1e-4  # int16 activations: up to 3e-5 of each row's largest entry
+
+
+@pytest.mark.parametrize(
+    ("flags", "native_bfloat16", "to_kernel"),
+    [({"avx2"}, False, True), ({"avx2", "avx512_bf16"}, True, False), (set(), False, False)],
+)
+def test_int8_prefill_chunks_go_to_the_kernel_on_avx2_without_native_bfloat16(
+    linear, monkeypatch, flags, native_bfloat16, to_kernel
+):
+    monkeypatch.setattr(quantization, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(quantization, "fast_bfloat16_matmul", lambda: native_bfloat16)
+    quantized = Int8Linear(linear.weight, linear.bias)
+    kernel_rows = []
+    gemv = quantized.gemv
+    monkeypatch.setattr(quantized, "gemv", lambda rows: kernel_rows.append(len(rows)) or gemv(rows))
+    quantized(torch.randn(3, 200, 128))  # a 600-token prefill chunk
+    assert kernel_rows == ([600] if to_kernel else [])
 
 
 def test_one_row_int8_products_do_not_overflow_at_the_extremes():
