@@ -41,6 +41,7 @@ if not torch.cuda.is_available():  # Triton reads this when the kernels are deco
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from pdserve.gpu_check_grpc import grpc_bandwidth
 
 DEFAULT_SHAPE = dict(  # SmolLM2-135M, the default model
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -292,50 +293,6 @@ def _ipc_child(handle_path: str, layout: str) -> None:
     print(json.dumps(result))
 
 
-def grpc_bandwidth(num_layers: int, num_blocks: int) -> dict:
-    """A GPU cache's pages pushed as a prefill node pushes them to a decode node on another host
-    (staged in pinned host memory, then the gRPC stream), here to a receiver in this process on
-    127.0.0.1 whose cache is on the GPU too. On CPU (smoke) the caches stay on the host."""
-    import asyncio
-
-    import grpc
-
-    from kvtransfer.base import KvCommit, KvDestination, KvReceiver
-    from kvtransfer.grpc_transport import GrpcKvSender, KvTransferServicer
-
-    shape = (num_blocks, 16, 8, 128)
-    source = [tuple(torch.randn(shape, device=device()).bfloat16() for _ in "kv") for _ in range(num_layers)]
-    target = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in source]
-    blocks = list(range(num_blocks))
-    num_bytes = sum(2 * k.numel() * k.element_size() for k, _ in source)
-
-    async def pushes(repeats: int) -> float:
-        receiver, server = KvReceiver(target), grpc.aio.server()
-        KvTransferServicer(receiver).add_to_server(server)
-        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-        await server.start()
-        sender = GrpcKvSender(stage_host_caches=True)
-        try:
-            times = []
-            for i in range(repeats):
-                receiver.reserve(f"r{i}", blocks)
-                start = time.perf_counter()
-                stream = sender.open_stream(KvDestination(address), source, f"r{i}")
-                for layer in range(num_layers):
-                    stream.send_layer(layer, blocks)
-                await stream.commit(KvCommit(f"r{i}", 0))
-                synchronize()
-                times.append(time.perf_counter() - start)
-            return sorted(times[1:])[len(times[1:]) // 2]  # the first warms channel and buffers
-        finally:
-            await sender.close()
-            await server.stop(0)
-
-    seconds = asyncio.run(pushes(4))
-    landed = all(torch.equal(k, tk) and torch.equal(v, tv) for (k, v), (tk, tv) in zip(source, target))
-    return {"gib": round(num_bytes / 2**30, 2), "gb_per_s": round(num_bytes / seconds / 1e9, 2), "ok": landed}
-
-
 def run(smoke: bool) -> dict:
     summary: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "smoke": smoke}
     summary["versions"] = {
@@ -365,7 +322,7 @@ def run(smoke: bool) -> dict:
         summary["throughput"] = _guarded(lambda: throughput(large, large_shape["vocab_size"], smoke))
     if device() == "cuda":
         summary["kv_transfer_cuda_ipc"] = _guarded(lambda: cuda_ipc_bandwidth(*((2, 8) if smoke else (22, 1024))))
-    summary["kv_transfer_grpc"] = _guarded(lambda: grpc_bandwidth(*((2, 8) if smoke else (22, 256))))
+    summary["kv_transfer_grpc"] = _guarded(lambda: grpc_bandwidth(*((2, 8) if smoke else (22, 256)), device()))
     summary["ok"] = all(c.get("ok") for c in summary["checks"].values())
     return summary
 
