@@ -133,10 +133,10 @@ def contiguous_runs(source_ids, target_ids) -> list[tuple[int, int, int]]:
     return runs
 
 
-def copy_blocks(source: torch.Tensor, target: torch.Tensor, source_ids, target_ids) -> None:
+def copy_blocks(source: torch.Tensor, target: torch.Tensor, source_ids, target_ids, non_blocking: bool = False) -> None:
     """target[target_ids] = source[source_ids], one slice copy per contiguous run."""
     for s, t, n in contiguous_runs(source_ids, target_ids):
-        target[t : t + n].copy_(source[s : s + n])
+        target[t : t + n].copy_(source[s : s + n], non_blocking=non_blocking)
 
 
 def iter_pages(

@@ -23,11 +23,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.base import KEY, VALUE, KvPage, contiguous_runs, pages_of_blocks
+from kvtransfer.base import KEY, VALUE, KvPage, copy_blocks, pages_of_blocks
 
 MAX_POOLED_BYTES = 256 << 20  # pinned memory kept for reuse; pinning is slow, so it is kept
 
@@ -69,7 +69,7 @@ class StagedLayer:
     buffers: list[torch.Tensor]
     pool: PinnedBufferPool
     copied: torch.cuda.Event | None = None
-    released: bool = field(default=False)
+    released: bool = False
 
     async def wait(self) -> None:
         if self.copied is not None and not self.copied.query():
@@ -102,24 +102,21 @@ class HostStaging:
         """Starts copying `block_ids` of `layer` to host memory; returns at once on a GPU."""
         buffers, blocks = [], []
         for cache in kv_caches[layer]:
-            buffer = self.pool.take(len(block_ids) * cache[0].numel() * cache.element_size())
-            buffers.append(buffer)
-            host = buffer[: len(block_ids) * cache[0].numel() * cache.element_size()]
-            blocks.append(host.view(cache.dtype).view(len(block_ids), *cache.shape[1:]))
+            nbytes = len(block_ids) * cache[0].numel() * cache.element_size()
+            buffers.append(self.pool.take(nbytes))
+            blocks.append(buffers[-1][:nbytes].view(cache.dtype).view(len(block_ids), *cache.shape[1:]))
         if self.copy_stream is None:
-            _copy_runs(kv_caches[layer], blocks, block_ids)
+            _copy_layer(kv_caches[layer], blocks, block_ids)
             return StagedLayer(request_id, layer, (blocks[0], blocks[1]), buffers, self.pool)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the layer's pages are written
         with torch.cuda.stream(self.copy_stream):
-            _copy_runs(kv_caches[layer], blocks, block_ids, non_blocking=True)
+            _copy_layer(kv_caches[layer], blocks, block_ids, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self.copy_stream)
         return StagedLayer(request_id, layer, (blocks[0], blocks[1]), buffers, self.pool, copied)
 
 
-def _copy_runs(layer_caches, host_blocks, block_ids: list[int], non_blocking: bool = False) -> None:
-    """host_blocks[kind][i] = cache[kind][block_ids[i]], one copy per contiguous run of ids."""
-    runs = contiguous_runs(block_ids, range(len(block_ids)))
+def _copy_layer(layer_caches, host_blocks, block_ids: list[int], non_blocking: bool = False) -> None:
+    """host_blocks[kind][i] = cache[kind][block_ids[i]] for K and V."""
     for cache, host in zip(layer_caches, host_blocks):
-        for source, target, length in runs:
-            host[target : target + length].copy_(cache[source : source + length], non_blocking=non_blocking)
+        copy_blocks(cache, host, block_ids, range(len(block_ids)), non_blocking)
