@@ -2,9 +2,12 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &pdserve::int8_linear, "y = x @ (q * scale).T for at most 64 rows of float32 x");
-  m.def("int4_linear", &pdserve::int4_linear, "y = x @ w.T, w in int4 groups of 32, for at most 64 rows of float32 x");
+  // Without the GIL: a node's event loop (token streams, health checks) runs during a prefill.
+  using no_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("int8_linear", &pdserve::int8_linear, "y = x @ (q * scale).T for any number of rows of float32 x", no_gil());
+  m.def("int4_linear", &pdserve::int4_linear, "y = x @ w.T, w in int4 groups of 32, for at most 64 rows of float32 x",
+        no_gil());
   m.def("paged_decode_attention", &pdserve::paged_decode_attention,
-        "one query token per sequence attending to its context in the paged KV cache, read in place");
+        "one query token per sequence attending to its context in the paged KV cache, read in place", no_gil());
   pdserve::bind_decode_stack(m);
 }

@@ -9,6 +9,10 @@ namespace pdserve {
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low);
+// int8_panels.cpp: rows of x already rounded to int16 (one scale each) against int8 weights;
+// false where the CPU lacks AVX2
+bool int8_linear_panels(const int16_t* xq, const float* x_scales, const int8_t* qs, const float* scales, float* ys,
+                        int64_t M, int64_t N, int64_t K);
 // paged_attention.cpp
 torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,

@@ -100,6 +100,10 @@ static void int8_linear_batched(const float* xs, const int8_t* qs, const float* 
 // most 512 (AVX2) or 256 (AVX-512). The float loops above remain for CPUs without AVX2, widths
 // that are not a multiple of the vector, and inputs that are not finite.
 constexpr int64_t kIntChunk = 4096;
+// From four rows of x up, AVX2 builds (kIntWidth 16) multiply in int8_panels.cpp's outer-product
+// kernel instead of the dot-product loops below, which remain for AVX512-VNNI builds (measured on
+// the Xeon, where prefill chunks go to bfloat16 instead).
+constexpr int64_t kPanelMinRows = 4;
 
 // The integer primitives: a vector of int16 lanes (IVec), int8 -> int16 widening, a pairwise
 // multiply-add into int32 lanes, and the lanes' sum as a float.
@@ -239,6 +243,10 @@ static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* 
   std::vector<int16_t> xq;
   std::vector<float> x_scales;
   if (!round_rows_to_int16(xs, M, K, xq, x_scales)) return false;
+  if (M >= kPanelMinRows && kIntWidth == 16 &&
+      int8_linear_panels(xq.data(), x_scales.data(), qs, scales, ys, M, N, K)) {
+    return true;
+  }
   at::parallel_for(0, N, M == 1 ? 64 : 16, [&](int64_t begin, int64_t end) {
     std::vector<int16_t> wide(K);
     const int16_t* wide_row = wide.data();
@@ -252,7 +260,7 @@ static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* 
       dot_int8_rows4(xq.data(), rows, K, dots);
       for (int i = 0; i < 4; ++i) ys[n + i] = dots[i] * x_scales[0] * scales[n + i];
     }
-    if (M >= 4) {  // a batch or a prefill chunk: pairs of weight rows, x in blocks that stay in L2
+    if (M >= 4) {  // (AVX-512) a batch or a prefill chunk: pairs of weight rows, x in blocks in L2
       const int64_t pairs_end = begin + (end - begin) / 2 * 2;
       std::vector<int16_t> wide_pair(2 * K);
       for (int64_t m = 0; m < M; m += kRowBlock) {

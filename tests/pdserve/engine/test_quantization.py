@@ -111,10 +111,11 @@ def test_both_paths_compute_with_the_dequantized_weights(linear, num_rows):
             torch.testing.assert_close(quantized(x), exact, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("num_rows", [7, 70, 210])  # blocks of four rows and a tail; several row blocks
+@pytest.mark.parametrize("num_rows", [4, 7, 70, 210])  # blocks of four rows and a tail; several row blocks
 def test_int8_prefill_chunks_multiply_in_the_kernel_with_any_row_and_column_count(num_rows):
-    """Where bfloat16 is not native (AVX2), prefill chunks go to the kernel too: pairs of weight
-    rows against blocks of four rows of x, with odd tails on both sides."""
+    """Where bfloat16 is not native (AVX2), prefill chunks go to the kernel too: panels of 16
+    weight rows against four rows of x at a time (AVX2 builds), or pairs of weight rows
+    (AVX512-VNNI builds), with odd tails on both sides (97 = 6 * 16 + 1 outputs)."""
     torch.manual_seed(2)
     quantized = Int8Linear(torch.randn(97, 160), None)
     x = torch.randn(num_rows, 160)
@@ -184,3 +185,12 @@ def test_quantized_greedy_tokens_agree_with_float32_on_the_default_model(mode):
     prompts = [reference.tokenizer(p)["input_ids"] for p in PROMPTS[:6]]
     continuations = greedy(reference, prompts, 16)
     assert teacher_forced_agreement(reference, quantized, prompts, continuations) >= 0.95
+
+
+def test_int8_kernel_sums_long_rows_without_overflowing_its_integer_lanes():
+    """1040 inputs at the largest int16 activation against the largest int8 weight: one int32 lane
+    summing them all would pass 2**31; the kernel moves its lanes to float on the way."""
+    quantized = Int8Linear(torch.ones(20, 1040), None)
+    for num_rows in (1, 9):
+        y = cpu_kernels().int8_linear(torch.ones(num_rows, 1040), quantized.qweight, quantized.scale)
+        torch.testing.assert_close(y, torch.full((num_rows, 20), 1040.0), rtol=1e-5, atol=0)
