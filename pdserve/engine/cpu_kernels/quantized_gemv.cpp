@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -139,25 +140,44 @@ inline IVec multiply_add(IVec, IVec, IVec) { return 0; }
 inline float lane_sum(IVec) { return 0.f; }
 #endif
 
-// Rows of x rounded to int16, each with its own scale; false if any entry is not finite (the
-// float loops propagate inf and NaN as torch would).
+// One row of x rounded to int16 with its own scale; false if any entry is not finite (the float
+// loops propagate inf and NaN as torch would). Vectorized: rounding a prefill's rows one element
+// at a time took ~40 ms of a 210-token prefill on two AMD EPYC cores.
+static bool round_row_to_int16(const float* row, int64_t K, int16_t* out, float* scale) {
+  float peak = 0.f, poison = 0.f;  // poison: NaN iff some entry is inf or NaN (inf * 0 is NaN)
+#pragma omp simd reduction(max : peak) reduction(+ : poison)
+  for (int64_t k = 0; k < K; ++k) {
+    peak = std::max(peak, std::fabs(row[k]));
+    poison += row[k] * 0.f;
+  }
+  if (poison != 0.f) return false;
+  *scale = peak > 0.f ? peak / 16383.f : 1.f;
+  const float inverse = 1.f / *scale;
+  int64_t k = 0;
+#if defined(__AVX2__)
+  const __m256 factor = _mm256_set1_ps(inverse);
+  for (; k + 16 <= K; k += 16) {  // round to nearest even (as nearbyint), then pack 16 lanes in order
+    const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k), factor));
+    const __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k + 8), factor));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(low, high), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), packed);
+  }
+#endif
+  for (; k < K; ++k) out[k] = static_cast<int16_t>(std::nearbyint(row[k] * inverse));
+  return true;
+}
+
 static bool round_rows_to_int16(const float* xs, int64_t M, int64_t K, std::vector<int16_t>& xq,
                                 std::vector<float>& x_scales) {
   xq.resize(M * K);
   x_scales.resize(M);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = xs + m * K;
-    float peak = 0.f;
-    bool finite = true;
-    for (int64_t k = 0; k < K; ++k) {
-      peak = std::max(peak, std::fabs(row[k]));
-      finite = finite && std::isfinite(row[k]);
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      if (!round_row_to_int16(xs + m * K, K, xq.data() + m * K, &x_scales[m])) finite = false;
     }
-    if (!finite) return false;
-    x_scales[m] = peak > 0.f ? peak / 16383.f : 1.f;
-    for (int64_t k = 0; k < K; ++k) xq[m * K + k] = static_cast<int16_t>(std::nearbyint(row[k] / x_scales[m]));
-  }
-  return true;
+  });
+  return finite;
 }
 
 // Up to four dot products of int16 vectors a[i] . b[i] over K, each a chain of its own: one

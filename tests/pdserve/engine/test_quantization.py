@@ -165,6 +165,19 @@ def test_one_row_int8_propagates_non_finite_inputs_and_handles_any_width(in_feat
     assert not quantized(torch.zeros(1, in_features)).any()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_int8_rows_with_a_non_finite_entry_give_non_finite_outputs_and_leave_the_others_alone(bad):
+    torch.manual_seed(3)
+    quantized = Int8Linear(torch.randn(24, 64), None)
+    x = torch.randn(9, 64)
+    x[6, 5] = bad
+    y = cpu_kernels().int8_linear(x, quantized.qweight, quantized.scale)
+    assert not y[6].isfinite().any()
+    rest = torch.cat([x[:6], x[7:]])
+    exact = torch.nn.functional.linear(rest, quantized.dequantized())
+    torch.testing.assert_close(torch.cat([y[:6], y[7:]]), exact, rtol=1e-4, atol=1e-4)
+
+
 def test_int4_packing_round_trips_and_matches_the_kernels_layout():
     q = torch.randint(0, 16, (8, 64), dtype=torch.int32)
     packed = int4_pack(q)
