@@ -26,10 +26,13 @@ from pdserve.engine.attention.backend import AttentionBackend, BatchLayout
 @dataclass
 class _PaddedGroup:
     block_table: torch.Tensor  # [B, max_blocks] block ids (0 where padded; masked out)
-    mask: torch.Tensor  # [B, 1, group * Lq, Lk] True where a query may attend
+    mask: torch.Tensor | None  # [B, 1, group * Lq, Lk] True where a query may attend (None: causal)
     query_index: torch.Tensor | None = None  # [B, Lq] flat token index of each query (prefill)
     query_valid: torch.Tensor | None = None  # [B, Lq] False on padding rows (prefill)
     context_lens: torch.Tensor | None = None  # [B] (decode, for backends that read blocks in place)
+    # Prefill chunks with no cached prefix (context == query length): SDPA's own causal mask over the
+    # first Lq keys, with no mask tensor, no GQA fold and the masked half skipped (`mask` is None).
+    causal: bool = False
 
 
 @dataclass
@@ -72,11 +75,18 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _prefill(self, query, k_cache, v_cache, group: _PaddedGroup) -> torch.Tensor:
         num_seqs, max_q = group.query_index.shape
-        q = query[group.query_index].transpose(1, 2)  # [B, H, Lq, D]
-        q = q.reshape(num_seqs, self.num_kv_heads, -1, self.head_dim)
-        out = self._attend(q, k_cache, v_cache, group)
+        if num_seqs == 1:  # the common case: its rows are the batch's last ones, no gather needed
+            q = query[query.shape[0] - max_q :].transpose(0, 1).unsqueeze(0)
+        else:
+            q = query[group.query_index].transpose(1, 2)  # [B, H, Lq, D]
+        if group.causal:
+            k = self._gather(k_cache, group.block_table)[:, :, :max_q]
+            v = self._gather(v_cache, group.block_table)[:, :, :max_q]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            out = self._attend(q.reshape(num_seqs, self.num_kv_heads, -1, self.head_dim), k_cache, v_cache, group)
         out = out.view(num_seqs, self.num_heads, max_q, self.head_dim).transpose(1, 2)
-        return out[group.query_valid]
+        return out[0] if num_seqs == 1 else out[group.query_valid]
 
     def _attend(self, q, k_cache, v_cache, group: _PaddedGroup) -> torch.Tensor:
         k = self._gather(k_cache, group.block_table)
@@ -112,6 +122,10 @@ class TorchAttentionBackend(AttentionBackend):
         rows = torch.arange(int(query_lens.max()), device=device)
         query_valid = rows[None, :] < query_lens[:, None]
         query_index = torch.where(query_valid, query_start[:, None] + rows[None, :], 0)
+        if layout.query_lens[nd:] == layout.context_lens[nd:]:
+            # Padding rows (past a shorter sequence's end) see only that sequence's own keys or
+            # padding, and are dropped.
+            return _PaddedGroup(block_table, None, query_index, query_valid, causal=True)
         query_pos = (context - query_lens)[:, None] + rows[None, :]
         key_pos = torch.arange(block_table.shape[1] * layout.block_size, device=device)
         causal = key_pos[None, None, :] <= query_pos[:, :, None]
