@@ -101,10 +101,11 @@ static void int8_linear_batched(const float* xs, const int8_t* qs, const float* 
 // most 512 (AVX2) or 256 (AVX-512). The float loops above remain for CPUs without AVX2, widths
 // that are not a multiple of the vector, and inputs that are not finite.
 constexpr int64_t kIntChunk = 4096;
-// From four rows of x up, AVX2 builds (kIntWidth 16) multiply in int8_panels.cpp's outer-product
-// kernel instead of the dot-product loops below, which remain for AVX512-VNNI builds (measured on
-// the Xeon, where prefill chunks go to bfloat16 instead).
-constexpr int64_t kPanelMinRows = 4;
+// From 16 rows of x up, AVX2 builds (kIntWidth 16) multiply in int8_panels.cpp's outer-product
+// kernel instead of the dot-product loops below, which remain for smaller decode batches (at 8
+// rows the two were even on two AMD EPYC cores, at 32 the panels were faster) and for
+// AVX512-VNNI builds (measured on the Xeon, where prefill chunks go to bfloat16 instead).
+constexpr int64_t kPanelMinRows = 16;
 
 // The integer primitives: a vector of int16 lanes (IVec), int8 -> int16 widening, a pairwise
 // multiply-add into int32 lanes, and the lanes' sum as a float.
