@@ -322,7 +322,7 @@ def run(smoke: bool) -> dict:
         summary["throughput"] = _guarded(lambda: throughput(large, large_shape["vocab_size"], smoke))
     if device() == "cuda":
         summary["kv_transfer_cuda_ipc"] = _guarded(lambda: cuda_ipc_bandwidth(*((2, 8) if smoke else (22, 1024))))
-    summary["kv_transfer_grpc"] = _guarded(lambda: grpc_bandwidth(*((2, 8) if smoke else (22, 256)), device()))
+    summary["kv_transfer_grpc"] = _guarded(lambda: grpc_bandwidth(*((2, 8) if smoke else (22, 256))))
     summary["ok"] = all(c.get("ok") for c in summary["checks"].values())
     return summary
 

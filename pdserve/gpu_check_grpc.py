@@ -13,11 +13,11 @@ from kvtransfer.base import KvCommit, KvDestination, KvReceiver
 from kvtransfer.grpc_transport import GrpcKvSender, KvTransferServicer
 
 
-def grpc_bandwidth(num_layers: int, num_blocks: int, device: str | None = None) -> dict:
+def grpc_bandwidth(num_layers: int, num_blocks: int) -> dict:
     """A GPU cache's pages pushed as a prefill node pushes them to a decode node on another host
     (staged in pinned host memory, then the gRPC stream), here to a receiver in this process on
     127.0.0.1 whose cache is on the GPU too. On CPU (smoke) the caches stay on the host."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = (num_blocks, 16, 8, 128)
     source = [tuple(torch.randn(shape, device=device).bfloat16() for _ in "kv") for _ in range(num_layers)]
     target = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in source]

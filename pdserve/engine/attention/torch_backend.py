@@ -116,7 +116,6 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill_group(self, layout: BatchLayout, device) -> _PaddedGroup:
         nd = layout.num_decodes
         query_lens = torch.tensor(layout.query_lens[nd:], device=device)
-        context = torch.tensor(layout.context_lens[nd:], device=device)
         query_start = torch.cumsum(query_lens, 0) - query_lens + nd
         block_table = self._block_table(layout.block_tables[nd:], layout.context_lens[nd:], layout.block_size, device)
         rows = torch.arange(int(query_lens.max()), device=device)
@@ -126,6 +125,7 @@ class TorchAttentionBackend(AttentionBackend):
             # Padding rows (past a shorter sequence's end) see only that sequence's own keys or
             # padding, and are dropped.
             return _PaddedGroup(block_table, None, query_index, query_valid, causal=True)
+        context = torch.tensor(layout.context_lens[nd:], device=device)
         query_pos = (context - query_lens)[:, None] + rows[None, :]
         key_pos = torch.arange(block_table.shape[1] * layout.block_size, device=device)
         causal = key_pos[None, None, :] <= query_pos[:, :, None]

@@ -34,6 +34,12 @@ namespace pdserve {
 namespace {
 
 constexpr int64_t kPairsPerChunk = 512;
+// Four rows of x by 16 outputs (two vectors of 8 lanes): 8 accumulators, 2 weight vectors and the
+// broadcast x fit in the 16 vector registers. Six rows (12 accumulators) spilled to the stack;
+// 6 x 16, 4 x 24, 3 x 32 and 2 x 32 all ran slower on two AMD EPYC (Zen 3) cores.
+constexpr int kRows = 4;
+constexpr int kVecs = 2;
+constexpr int64_t kPanel = kVecs * 8;
 
 // The 8 x 8 transpose of 32-bit elements: rows[i] holds element j of row i -> rows[j] holds
 // element i of each.
@@ -55,12 +61,11 @@ inline void transpose8x8(__m256i rows[8]) {
   }
 }
 
-// Widens weight rows [n0, n0 + width) into `panel`, eight rows by eight pairs of inputs at a time:
+// Widens weight rows [n0, n0 + 16) into `panel`, eight rows by eight pairs of inputs at a time:
 // each row's 16 int8 widen to 8 int16 pairs (32-bit elements), and a transpose turns 8 rows of
 // pairs into 8 pairs of rows. Rows past N read `zeros` (their outputs are dropped). K % 16 == 0.
-void pack_panel(const int8_t* qs, const int8_t* zeros, int64_t n0, int64_t width, int64_t N, int64_t K,
-                int16_t* panel) {
-  for (int64_t c0 = 0; c0 < width; c0 += 8) {
+void pack_panel(const int8_t* qs, const int8_t* zeros, int64_t n0, int64_t N, int64_t K, int16_t* panel) {
+  for (int64_t c0 = 0; c0 < kPanel; c0 += 8) {
     const int8_t* rows[8];
     for (int i = 0; i < 8; ++i) rows[i] = n0 + c0 + i < N ? qs + (n0 + c0 + i) * K : zeros;
     for (int64_t k = 0; k < K; k += 16) {
@@ -70,7 +75,7 @@ void pack_panel(const int8_t* qs, const int8_t* zeros, int64_t n0, int64_t width
       }
       transpose8x8(block);
       for (int j = 0; j < 8; ++j) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + ((k / 2 + j) * width + c0) * 2), block[j]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + ((k / 2 + j) * kPanel + c0) * 2), block[j]);
       }
     }
   }
@@ -83,18 +88,16 @@ inline void prefetch_rows(const int8_t* begin, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(begin + offset);
 }
 
-// sums[r][c] += x[r] . panel column c over the pairs [p_begin, p_end), for kCount rows of x and
-// kVecs * 8 outputs.
-template <int kCount, int kVecs>
+// sums[r][c] += x[r] . panel column c over the pairs [p_begin, p_end), for kCount rows of x.
+template <int kCount>
 inline void multiply_rows(const int16_t* const* x, const int16_t* panel, int64_t p_begin, int64_t p_end,
                           float* sums) {
-  constexpr int kWidth = kVecs * 8;
   __m256i lanes[kCount][kVecs];
   for (int r = 0; r < kCount; ++r)
     for (int v = 0; v < kVecs; ++v) lanes[r][v] = _mm256_setzero_si256();
   for (int64_t p = p_begin; p < p_end; ++p) {
     __m256i w[kVecs];
-    for (int v = 0; v < kVecs; ++v) w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (p * kWidth + v * 8) * 2));
+    for (int v = 0; v < kVecs; ++v) w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (p * kPanel + v * 8) * 2));
     for (int r = 0; r < kCount; ++r) {
       int32_t pair;
       __builtin_memcpy(&pair, x[r] + 2 * p, sizeof(pair));
@@ -103,50 +106,30 @@ inline void multiply_rows(const int16_t* const* x, const int16_t* panel, int64_t
     }
   }
   for (int r = 0; r < kCount; ++r) {
-    alignas(32) float as_float[kWidth];
+    alignas(32) float as_float[kPanel];
     for (int v = 0; v < kVecs; ++v) _mm256_store_ps(as_float + 8 * v, _mm256_cvtepi32_ps(lanes[r][v]));
-    for (int c = 0; c < kWidth; ++c) sums[r * kWidth + c] += as_float[c];
+    for (int c = 0; c < kPanel; ++c) sums[r * kPanel + c] += as_float[c];
   }
 }
 
 // Rows [m, m + count) of x (count <= kRows) against one packed panel, scaled and written to y.
-template <int kRows, int kVecs, int kCount = kRows>
+template <int kCount = kRows>
 void panel_rows(const int16_t* xq, const float* x_scales, const int16_t* panel, const float* scales, float* ys,
                 int64_t m, int64_t count, int64_t n0, int64_t N, int64_t K) {
   if constexpr (kCount > 1) {
-    if (count < kCount) return panel_rows<kRows, kVecs, kCount - 1>(xq, x_scales, panel, scales, ys, m, count, n0, N, K);
+    if (count < kCount) return panel_rows<kCount - 1>(xq, x_scales, panel, scales, ys, m, count, n0, N, K);
   }
-  constexpr int kWidth = kVecs * 8;
   const int16_t* x[kCount];
   for (int r = 0; r < kCount; ++r) x[r] = xq + (m + r) * K;
-  float sums[kCount * kWidth] = {};
+  float sums[kCount * kPanel] = {};
   for (int64_t p = 0; p < K / 2; p += kPairsPerChunk) {
-    multiply_rows<kCount, kVecs>(x, panel, p, std::min(K / 2, p + kPairsPerChunk), sums);
+    multiply_rows<kCount>(x, panel, p, std::min(K / 2, p + kPairsPerChunk), sums);
   }
-  const int64_t outputs = std::min<int64_t>(kWidth, N - n0);
+  const int64_t outputs = std::min(kPanel, N - n0);
   for (int r = 0; r < kCount; ++r) {
     float* y = ys + (m + r) * N + n0;
-    for (int64_t c = 0; c < outputs; ++c) y[c] = sums[r * kWidth + c] * x_scales[m + r] * scales[n0 + c];
+    for (int64_t c = 0; c < outputs; ++c) y[c] = sums[r * kPanel + c] * x_scales[m + r] * scales[n0 + c];
   }
-}
-
-template <int kRows, int kVecs>
-void linear_panels(const int16_t* xq, const float* x_scales, const int8_t* qs, const float* scales, float* ys,
-                   int64_t M, int64_t N, int64_t K) {
-  constexpr int64_t kWidth = kVecs * 8;
-  const int64_t num_panels = (N + kWidth - 1) / kWidth;
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int16_t> panel(K * kWidth);
-    const std::vector<int8_t> zeros(K, 0);
-    for (int64_t index = begin; index < end; ++index) {
-      const int64_t n0 = index * kWidth;
-      pack_panel(qs, zeros.data(), n0, kWidth, N, K, panel.data());
-      if (index + 1 < end) prefetch_rows(qs + (n0 + kWidth) * K, std::min(kWidth, N - n0 - kWidth) * K);
-      for (int64_t m = 0; m < M; m += kRows) {
-        panel_rows<kRows, kVecs>(xq, x_scales, panel.data(), scales, ys, m, std::min<int64_t>(kRows, M - m), n0, N, K);
-      }
-    }
-  });
 }
 
 }  // namespace
@@ -154,10 +137,19 @@ void linear_panels(const int16_t* xq, const float* x_scales, const int8_t* qs, c
 bool int8_linear_panels(const int16_t* xq, const float* x_scales, const int8_t* qs, const float* scales, float* ys,
                         int64_t M, int64_t N, int64_t K) {
   if (K % 16 != 0) return false;
-  // Four rows of x by 16 outputs: 8 accumulators, 2 weight vectors and the broadcast x fit in the
-  // 16 vector registers. Six rows (12 accumulators) spilled to the stack; 4 x 24, 3 x 32 and
-  // 6 x 16 all ran slower on two AMD EPYC (Zen 3) cores.
-  linear_panels<4, 2>(xq, x_scales, qs, scales, ys, M, N, K);
+  const int64_t num_panels = (N + kPanel - 1) / kPanel;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> panel(K * kPanel);
+    const std::vector<int8_t> zeros(K, 0);
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t n0 = index * kPanel;
+      pack_panel(qs, zeros.data(), n0, N, K, panel.data());
+      if (index + 1 < end) prefetch_rows(qs + (n0 + kPanel) * K, std::min(kPanel, N - n0 - kPanel) * K);
+      for (int64_t m = 0; m < M; m += kRows) {
+        panel_rows(xq, x_scales, panel.data(), scales, ys, m, std::min<int64_t>(kRows, M - m), n0, N, K);
+      }
+    }
+  });
   return true;
 }
 

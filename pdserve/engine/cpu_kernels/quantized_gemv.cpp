@@ -281,7 +281,7 @@ static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* 
       dot_int8_rows4(xq.data(), rows, K, dots);
       for (int i = 0; i < 4; ++i) ys[n + i] = dots[i] * x_scales[0] * scales[n + i];
     }
-    if (M >= 4) {  // (AVX-512) a batch or a prefill chunk: pairs of weight rows, x in blocks in L2
+    if (M >= 4) {  // a batch below the panels (AVX-512: any): pairs of weight rows, x blocks in L2
       const int64_t pairs_end = begin + (end - begin) / 2 * 2;
       std::vector<int16_t> wide_pair(2 * K);
       for (int64_t m = 0; m < M; m += kRowBlock) {
