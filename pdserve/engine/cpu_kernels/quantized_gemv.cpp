@@ -101,11 +101,12 @@ static void int8_linear_batched(const float* xs, const int8_t* qs, const float* 
 // most 512 (AVX2) or 256 (AVX-512). The float loops above remain for CPUs without AVX2, widths
 // that are not a multiple of the vector, and inputs that are not finite.
 constexpr int64_t kIntChunk = 4096;
-// From 16 rows of x up, AVX2 builds (kIntWidth 16) multiply in int8_panels.cpp's outer-product
-// kernel instead of the dot-product loops below, which remain for smaller decode batches (at 8
-// rows the two were even on two AMD EPYC cores, at 32 the panels were faster) and for
-// AVX512-VNNI builds (measured on the Xeon, where prefill chunks go to bfloat16 instead).
-constexpr int64_t kPanelMinRows = 16;
+// From 32 rows of x up, AVX2 builds (kIntWidth 16) multiply in int8_panels.cpp's outer-product
+// kernel instead of the dot-product loops below, which remain for smaller decode batches (on two
+// AMD EPYC cores the pairs loop was faster up to 24 rows, and the panels from 32 up: their
+// packing costs as much as a few rows' products) and for AVX512-VNNI builds (measured on the
+// Xeon, where prefill chunks go to bfloat16 instead).
+constexpr int64_t kPanelMinRows = 32;
 
 // The integer primitives: a vector of int16 lanes (IVec), int8 -> int16 widening, a pairwise
 // multiply-add into int32 lanes, and the lanes' sum as a float.
@@ -140,6 +141,13 @@ inline IVec widen(const int8_t*) { return 0; }
 inline IVec multiply_add(IVec, IVec, IVec) { return 0; }
 inline float lane_sum(IVec) { return 0.f; }
 #endif
+
+// Keeps a loaded vector in a register: gcc otherwise folds every use of it back into a memory
+// operand, one load per multiply-add, and the loads, not the multiplies, bound the loop.
+template <typename T>
+inline void in_register(T& v) {
+  if constexpr (kIntWidth > 0) __asm__("" : "+v"(v));
+}
 
 // One row of x rounded to int16 with its own scale; false if any entry is not finite (the float
 // loops propagate inf and NaN as torch would). Vectorized: rounding a prefill's rows one element
@@ -202,7 +210,8 @@ inline void dot_int8_rows4(const int16_t* x, const int8_t* const* w, int64_t K, 
   for (int64_t start = 0; start < K; start += kIntChunk) {
     IVec lanes[4] = {zero(), zero(), zero(), zero()};
     for (int64_t k = start; k < std::min(K, start + kIntChunk); k += kIntWidth) {
-      const IVec xv = load(x + k);
+      IVec xv = load(x + k);
+      in_register(xv);
       for (int i = 0; i < 4; ++i) lanes[i] = multiply_add(lanes[i], xv, widen(w[i] + k));
     }
     for (int i = 0; i < 4; ++i) out[i] += lane_sum(lanes[i]);
@@ -211,7 +220,9 @@ inline void dot_int8_rows4(const int16_t* x, const int8_t* const* w, int64_t K, 
 
 // Four rows of x against two weight rows: eight chains, and each loaded vector feeds two or four
 // multiply-adds (with one weight row, loads of x bounded the loop: ~100 GFLOP/s-equivalent on
-// two AMD EPYC cores, no faster than float32).
+// two AMD EPYC cores, no faster than float32). Without in_register gcc loaded each vector again
+// for every multiply-add (16 loads a step, not 6): the pairs loop at 8 rows took 37-41 ms of a
+// step's products, 25-27 ms with it and the prefetch in int8_linear_integer.
 inline void dot_int16_4x2(const int16_t* const* x, const int16_t* w0, const int16_t* w1, int64_t K,
                           float out[4][2]) {
   for (int i = 0; i < 4; ++i) out[i][0] = out[i][1] = 0.f;
@@ -219,9 +230,12 @@ inline void dot_int16_4x2(const int16_t* const* x, const int16_t* w0, const int1
     IVec lanes[4][2];
     for (int i = 0; i < 4; ++i) lanes[i][0] = lanes[i][1] = zero();
     for (int64_t k = start; k < std::min(K, start + kIntChunk); k += kIntWidth) {
-      const IVec a = load(w0 + k), b = load(w1 + k);
+      IVec a = load(w0 + k), b = load(w1 + k);
+      in_register(a);
+      in_register(b);
       for (int i = 0; i < 4; ++i) {
-        const IVec xv = load(x[i] + k);
+        IVec xv = load(x[i] + k);
+        in_register(xv);
         lanes[i][0] = multiply_add(lanes[i][0], xv, a);
         lanes[i][1] = multiply_add(lanes[i][1], xv, b);
       }
@@ -286,6 +300,9 @@ static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* 
       std::vector<int16_t> wide_pair(2 * K);
       for (int64_t m = 0; m < M; m += kRowBlock) {
         for (int64_t pair = begin; pair < pairs_end; pair += 2) {
+          if (m == 0 && pair + 2 + kPrefetchRows <= pairs_end) {  // the weights come from memory once
+            for (int64_t offset = 0; offset < 2 * K; offset += 64) __builtin_prefetch(qs + (pair + kPrefetchRows) * K + offset);
+          }
           int8_rows_x2(xq.data(), x_scales.data(), qs, scales, ys, m, std::min(M, m + kRowBlock), pair, N, K,
                        wide_pair.data());
         }

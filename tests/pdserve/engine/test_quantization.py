@@ -111,7 +111,7 @@ def test_both_paths_compute_with_the_dequantized_weights(linear, num_rows):
             torch.testing.assert_close(quantized(x), exact, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("num_rows", [4, 7, 16, 70, 210])  # below and above the panels; blocks of four and tails
+@pytest.mark.parametrize("num_rows", [4, 7, 16, 31, 32, 33, 70, 210])  # both sides of the panels (32 rows)
 def test_int8_prefill_chunks_multiply_in_the_kernel_with_any_row_and_column_count(num_rows):
     """Where bfloat16 is not native (AVX2), prefill chunks go to the kernel too: panels of 16
     weight rows against four rows of x at a time (AVX2 builds), or pairs of weight rows
@@ -165,7 +165,7 @@ def test_one_row_int8_propagates_non_finite_inputs_and_handles_any_width(in_feat
     assert not quantized(torch.zeros(1, in_features)).any()
 
 
-@pytest.mark.parametrize("num_rows", [9, 21])  # the dot-product loops; the panels
+@pytest.mark.parametrize("num_rows", [9, 37])  # the dot-product loops; the panels
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_int8_rows_with_a_non_finite_entry_give_non_finite_outputs_and_leave_the_others_alone(bad, num_rows):
     torch.manual_seed(3)
@@ -205,6 +205,6 @@ def test_int8_kernel_sums_long_rows_without_overflowing_its_integer_lanes():
     """1040 inputs at the largest int16 activation against the largest int8 weight: one int32 lane
     summing them all would pass 2**31; the kernel moves its lanes to float on the way."""
     quantized = Int8Linear(torch.ones(20, 1040), None)
-    for num_rows in (1, 9, 21):  # one row, the dot-product loops, the panels
+    for num_rows in (1, 9, 37):  # one row, the dot-product loops, the panels
         y = cpu_kernels().int8_linear(torch.ones(num_rows, 1040), quantized.qweight, quantized.scale)
         torch.testing.assert_close(y, torch.full((num_rows, 20), 1040.0), rtol=1e-5, atol=0)
