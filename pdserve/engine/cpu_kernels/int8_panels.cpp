@@ -82,17 +82,6 @@ void pack_panel(const int8_t* qs, const int8_t* zeros, int64_t n0, int64_t N, in
   }
 }
 
-// Asks for the next panel's weights while this one is multiplied: a decode step's matrices come
-// from memory, not cache, and without this an 8-row product with the 49152 x 576 LM head read its
-// weights at under 3 GB/s.
-inline void prefetch_rows(const int8_t* begin, int64_t bytes) {
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(begin + offset);
-}
-
-// Keeps a value in a register: gcc otherwise folds each use of a loaded vector back into a
-// memory operand (and kept the accumulator array on the stack, a store per multiply-add).
-inline void in_register(__m256i& v) { __asm__("" : "+x"(v)); }
-
 inline __m256i broadcast_pair(const int16_t* x) {
   int32_t pair;
   __builtin_memcpy(&pair, x, sizeof(pair));
@@ -158,6 +147,8 @@ bool int8_linear_panels(const int16_t* xq, const float* x_scales, const int8_t* 
     for (int64_t index = begin; index < end; ++index) {
       const int64_t n0 = index * kPanel;
       pack_panel(qs, zeros.data(), n0, N, K, panel.data());
+      // The next panel's weights, while this one multiplies: without this an 8-row product with
+      // the 49152 x 576 LM head read its weights at under 3 GB/s.
       if (index + 1 < end) prefetch_rows(qs + (n0 + kPanel) * K, std::min(kPanel, N - n0 - kPanel) * K);
       for (int64_t m = 0; m < M; m += kRows) {
         panel_rows(xq, x_scales, panel.data(), scales, ys, m, std::min<int64_t>(kRows, M - m), n0, N, K);

@@ -3,7 +3,25 @@
 
 #include <torch/extension.h>
 
+#include <cstdint>
+#include <type_traits>
+
 namespace pdserve {
+
+// Asks for `bytes` from `begin` ahead of use: the weights of a step come from memory, not cache.
+inline void prefetch_rows(const void* begin, int64_t bytes) {
+  const char* bytes_begin = static_cast<const char*>(begin);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(bytes_begin + offset);
+}
+
+// Keeps a loaded vector in a register: gcc otherwise folds every use of it back into a memory
+// operand (one load per multiply-add, and the loads, not the multiplies, bounded the int8 loops),
+// and kept an array of accumulators on the stack. A no-op for the scalar stand-in of builds
+// without AVX2.
+template <typename T>
+inline void in_register(T& v) {
+  if constexpr (!std::is_arithmetic_v<T>) __asm__("" : "+v"(v));
+}
 
 // quantized_gemv.cpp
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);

@@ -79,9 +79,7 @@ static void int8_linear_batched(const float* xs, const int8_t* qs, const float* 
     std::vector<float> row(K);
     for (int64_t n = begin; n < end; ++n) {
       const int8_t* q = qs + n * K;
-      if (n + kPrefetchRows < end) {
-        for (int64_t offset = 0; offset < K; offset += 64) __builtin_prefetch(q + kPrefetchRows * K + offset);
-      }
+      if (n + kPrefetchRows < end) prefetch_rows(q + kPrefetchRows * K, K);
       float* w = row.data();
 #pragma omp simd
       for (int64_t k = 0; k < K; ++k) w[k] = static_cast<float>(q[k]);
@@ -141,13 +139,6 @@ inline IVec widen(const int8_t*) { return 0; }
 inline IVec multiply_add(IVec, IVec, IVec) { return 0; }
 inline float lane_sum(IVec) { return 0.f; }
 #endif
-
-// Keeps a loaded vector in a register: gcc otherwise folds every use of it back into a memory
-// operand, one load per multiply-add, and the loads, not the multiplies, bound the loop.
-template <typename T>
-inline void in_register(T& v) {
-  if constexpr (kIntWidth > 0) __asm__("" : "+v"(v));
-}
 
 // One row of x rounded to int16 with its own scale; false if any entry is not finite (the float
 // loops propagate inf and NaN as torch would). Vectorized: rounding a prefill's rows one element
@@ -288,9 +279,7 @@ static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* 
     int64_t n = begin;
     for (; M == 1 && n + 4 <= end; n += 4) {  // batch 1: four weight rows at a time
       const int8_t* rows[4] = {qs + n * K, qs + (n + 1) * K, qs + (n + 2) * K, qs + (n + 3) * K};
-      if (n + 4 + kPrefetchRows <= end) {
-        for (int64_t offset = 0; offset < 4 * K; offset += 64) __builtin_prefetch(rows[0] + kPrefetchRows * K + offset);
-      }
+      if (n + 4 + kPrefetchRows <= end) prefetch_rows(rows[0] + kPrefetchRows * K, 4 * K);
       float dots[4];
       dot_int8_rows4(xq.data(), rows, K, dots);
       for (int i = 0; i < 4; ++i) ys[n + i] = dots[i] * x_scales[0] * scales[n + i];
@@ -300,9 +289,8 @@ static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* 
       std::vector<int16_t> wide_pair(2 * K);
       for (int64_t m = 0; m < M; m += kRowBlock) {
         for (int64_t pair = begin; pair < pairs_end; pair += 2) {
-          if (m == 0 && pair + 2 + kPrefetchRows <= pairs_end) {  // the weights come from memory once
-            for (int64_t offset = 0; offset < 2 * K; offset += 64) __builtin_prefetch(qs + (pair + kPrefetchRows) * K + offset);
-          }
+          // The weights come from memory once, on the first block of rows of x.
+          if (m == 0 && pair + 2 + kPrefetchRows <= pairs_end) prefetch_rows(qs + (pair + kPrefetchRows) * K, 2 * K);
           int8_rows_x2(xq.data(), x_scales.data(), qs, scales, ys, m, std::min(M, m + kRowBlock), pair, N, K,
                        wide_pair.data());
         }
@@ -311,9 +299,7 @@ static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* 
     }
     for (; n < end; ++n) {  // a decode batch (and batch 1's last rows): widen once, read by every row of x
       const int8_t* row = qs + n * K;
-      if (n + kPrefetchRows < end) {
-        for (int64_t offset = 0; offset < K; offset += 64) __builtin_prefetch(row + kPrefetchRows * K + offset);
-      }
+      if (n + kPrefetchRows < end) prefetch_rows(row + kPrefetchRows * K, K);
       for (int64_t k = 0; k < K; ++k) wide[k] = row[k];
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) {
@@ -356,9 +342,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
     int64_t n = begin;
     for (; n + 4 <= end; n += 4) {
       const int8_t *r0 = qs + n * K, *r1 = r0 + K, *r2 = r1 + K, *r3 = r2 + K;
-      if (n + 4 + kPrefetchRows <= end) {
-        for (int64_t offset = 0; offset < 4 * K; offset += 64) __builtin_prefetch(r0 + kPrefetchRows * K + offset);
-      }
+      if (n + 4 + kPrefetchRows <= end) prefetch_rows(r0 + kPrefetchRows * K, 4 * K);
       for (int64_t m = 0; m < M; ++m) {
         const float* xr = xs + m * K;
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
@@ -399,9 +383,7 @@ static void int4_linear_batched(const float* xs, const uint8_t* ps, const float*
     std::vector<float> row(K);
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* bytes = ps + n * (K / 2);
-      if (n + kPrefetchRows < end) {
-        for (int64_t offset = 0; offset < K / 2; offset += 64) __builtin_prefetch(bytes + kPrefetchRows * (K / 2) + offset);
-      }
+      if (n + kPrefetchRows < end) prefetch_rows(bytes + kPrefetchRows * (K / 2), K / 2);
       for (int64_t g = 0; g < G; ++g) {
         const uint8_t* b = bytes + g * (kGroup / 2);
         float* w = row.data() + g * kGroup;
@@ -441,9 +423,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = ps + n * (K / 2);
-      if (n + kPrefetchRows < end) {
-        for (int64_t offset = 0; offset < K / 2; offset += 64) __builtin_prefetch(row + kPrefetchRows * (K / 2) + offset);
-      }
+      if (n + kPrefetchRows < end) prefetch_rows(row + kPrefetchRows * (K / 2), K / 2);
       for (int64_t m = 0; m < M; ++m) {
         const float* xr = xs + m * K;
         // One partial sum per lane across all groups: a single horizontal sum per row.
