@@ -6,6 +6,11 @@ and of this CPU's feature flags, so a cache shared by different machines (an ima
 one host and run on another) never loads code built for instructions this CPU lacks. The
 first build takes about a minute on 2 cores; later loads take milliseconds.
 
+torch guards a build folder with a `lock` file that a killed build leaves behind, and every
+later load then waits on it forever (a Ctrl-C during the first `pdserve up` hung each start after
+it). So processes take turns with an flock, which the kernel drops when its holder dies, and
+the one holding it removes any `lock` file: no live process can own it.
+
 `PDSERVE_CPU_ISA=avx2` builds for AVX2 and FMA only (-march=haswell), whatever the CPU has, and
 turns off the bfloat16 prefill path (quantization.py): the code an AVX2-only machine (many AMD
 EPYC hosts) runs, for testing and measuring it on an AVX-512 one. With torch's own kernels held to
@@ -15,10 +20,13 @@ clock are this machine's.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -49,21 +57,39 @@ HEADERS = ("kernels.h",)  # compiled only through the sources, but a change to i
 def cpu_kernels():
     """int8_linear, int4_linear (quantized_gemv.cpp), paged_decode_attention (paged_attention.cpp),
     and the Linear and DecodeStack classes (decode_stack.cpp)."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_default_build_root, load
 
     sources = [Path(__file__).with_name(name) for name in SOURCES]
     headers = [Path(__file__).with_name(name) for name in HEADERS]
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in (*sources, *headers)))
     flags = compile_flags()
     digest.update(" ".join(flags).encode() + _cpu_flags())
+    name = f"pdserve_cpu_kernels_{digest.hexdigest()[:12]}"
+    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
     logger.info("loading pdserve's CPU kernels (compiled once per machine, about a minute)")
-    return load(
-        name=f"pdserve_cpu_kernels_{digest.hexdigest()[:12]}",
-        sources=[str(source) for source in sources],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    with exclusive_build(build_dir):
+        return load(
+            name=name,
+            sources=[str(source) for source in sources],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Holds `build_dir`'s flock (waiting for another process's build to end) and clears
+    torch's `lock` file, which only a dead build can have left while the flock is ours."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "pdserve.flock", "w") as flock:
+        fcntl.flock(flock, fcntl.LOCK_EX)
+        stale_lock = build_dir / "lock"
+        if stale_lock.exists():
+            logger.warning("removing %s, left by a build that was killed", stale_lock)
+            stale_lock.unlink()
+        yield
 
 
 def _cpu_flags() -> bytes:
