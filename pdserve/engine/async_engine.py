@@ -85,12 +85,16 @@ class AsyncEngine:
         """Hands outputs to their streams (thread-safe: may run on the engine thread)."""
         if self.output_observer is not None:
             self.output_observer(outputs)
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._streams_lock:
-            targets = [(self._streams.get(o.request_id), o) for o in outputs]
-        for target, output in targets:
-            if target is not None:
-                stream, loop = target
-                loop.call_soon_threadsafe(stream.put_nowait, output)
+            for output in outputs:
+                target = self._streams.get(output.request_id)
+                if target is not None:
+                    stream, loop = target
+                    deliveries.setdefault(loop, []).append((stream, output))
+        # One wake-up per loop and step, not one per stream: each is a write to the loop's pipe.
+        for loop, items in deliveries.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def submit(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Queues fn(engine) without waiting (safe from cleanup code that may be cancelled)."""
@@ -136,6 +140,11 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_set_exception, future, error)
         else:
             loop.call_soon_threadsafe(_set_result, future, result)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream.put_nowait(output)
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

@@ -1,0 +1,55 @@
+"""AsyncEngine.publish: a step's outputs reach each stream's queue on that stream's loop, in
+order, with one wake-up per loop and step (not one per stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.request import RequestOutput
+
+
+class IdleEngine:
+    def load(self):
+        return None
+
+
+def output(request_id: str, token_id: int) -> RequestOutput:
+    return RequestOutput(request_id, [token_id], [], False, None, num_prompt_tokens=1, num_cached_tokens=0)
+
+
+def test_a_steps_outputs_reach_their_streams_with_one_wake_up_per_loop():
+    engine = AsyncEngine(IdleEngine())
+    other_loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=other_loop.run_forever)
+    thread.start()
+
+    async def open_remote() -> asyncio.Queue:
+        return engine.open_stream("c")
+
+    async def body():
+        loop = asyncio.get_running_loop()
+        wake_ups = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args: wake_ups.append(args) or real(*args)
+        a, b = engine.open_stream("a"), engine.open_stream("b")
+        c = asyncio.run_coroutine_threadsafe(open_remote(), other_loop).result()
+        steps = [[output("a", s), output("b", 10 + s), output("c", 20 + s), output("gone", 0)] for s in range(3)]
+        publisher = threading.Thread(target=lambda: [engine.publish(outputs) for outputs in steps])
+        publisher.start()  # from another thread, as the engine thread publishes
+        publisher.join()
+        got_a = [(await a.get()).new_token_ids[0] for _ in range(3)]
+        got_b = [(await b.get()).new_token_ids[0] for _ in range(3)]
+        assert got_a == [0, 1, 2] and got_b == [10, 11, 12]
+        assert len(wake_ups) == 3  # one per step for both streams of this loop
+        return c
+
+    try:
+        c = asyncio.run(body())
+        got_c = [asyncio.run_coroutine_threadsafe(c.get(), other_loop).result(5).new_token_ids[0] for _ in range(3)]
+        assert got_c == [20, 21, 22]
+    finally:
+        other_loop.call_soon_threadsafe(other_loop.stop)
+        thread.join(5)
+        other_loop.close()
