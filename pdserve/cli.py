@@ -85,11 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_node(args.command, settings_from_args(NodeSettings, args, parser))
         return 0
     if args.command == "gateway":
-        import asyncio
-
         from gateway.server import serve_cluster_gateway
+        from pdserve import event_loop
 
-        asyncio.run(serve_cluster_gateway(settings_from_args(GatewaySettings, args, parser)))
+        event_loop.run(serve_cluster_gateway(settings_from_args(GatewaySettings, args, parser)))
         return 0
     if args.command == "up":
         return run_cluster(settings_from_args(UpSettings, args, parser))

@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from decode_service.server import DecodeNodeService
 from kvtransfer.base import KvTransferStats
 from kvtransfer.grpc_transport import GRPC_OPTIONS
+from pdserve import event_loop
 from pdserve.cluster_state.kv_index import KvIndexPublisher
 from pdserve.cluster_state.registry import NodeCapacity, NodeInfo, NodeRegistration, NodeRole, NodeStats
 from pdserve.cluster_state.secret import ClusterSecretServerInterceptor, is_loopback
@@ -108,7 +109,7 @@ def run_node(role: NodeRole, settings: NodeSettings) -> None:
 
     def serve_rpcs() -> None:
         try:
-            asyncio.run(_serve(role, settings, service, async_engine, metrics, stop_requested, signalled))
+            event_loop.run(_serve(role, settings, service, async_engine, metrics, stop_requested, signalled))
         except BaseException as error:
             rpc_failure.append(error)
             raise
