@@ -18,7 +18,6 @@ chaos level that pause is what a failover adds to the streams it moves.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import random
@@ -30,6 +29,7 @@ from dataclasses import asdict, dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve import event_loop
 from pdserve.bench.client import ClientConfig
 from pdserve.bench.results import LevelResult, Load
 from pdserve.bench.serving import run_benchmark
@@ -116,7 +116,7 @@ def run_level(name: str, cluster, args: argparse.Namespace, killer: NodeKiller |
     if killer is not None:
         killer.start()
     try:
-        _, (level,) = asyncio.run(
+        _, (level,) = event_loop.run(
             run_benchmark(client_config, [load], lambda tag: iter_conversations(workload, name), num_warmup=1)
         )
     finally:

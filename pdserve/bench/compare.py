@@ -26,7 +26,6 @@ The offline transformers peers have no TTFT, TPOT or ITL to measure: their cells
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from dataclasses import asdict, dataclass
 from datetime import date
 from pathlib import Path
 
+from pdserve import event_loop
 from pdserve.bench import offline
 from pdserve.bench.client import ClientConfig
 from pdserve.bench.llama_peer import GGUF_TYPES
@@ -186,7 +186,7 @@ def sweep(base_url: str, args: argparse.Namespace, tokenizer) -> list[LevelResul
     tag_to_num_requests = {load.tag: load.num_requests for load in loads} | {"warmup": offline.NUM_WARMUP_REQUESTS}
     client_config = ClientConfig(base_url=base_url, endpoint="completions", timeout_s=args.timeout_s)
     source = conversation_source(args, tokenizer, tag_to_num_requests)
-    _, results = asyncio.run(run_benchmark(client_config, loads, source, num_warmup=offline.NUM_WARMUP_REQUESTS))
+    _, results = event_loop.run(run_benchmark(client_config, loads, source, num_warmup=offline.NUM_WARMUP_REQUESTS))
     return results
 
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import httpx
 
+from pdserve import event_loop
 from pdserve.cluster_state.embedded_redis import free_port
 from pdserve.launcher import Launcher, LaunchPlan
 from pdserve.options import add_model_flag
@@ -103,7 +104,7 @@ def on_cluster(model: str, colocated: bool, num_threads: int | None, measure) ->
     )
     with Launcher(plan) as cluster:
         served = httpx.get(f"{cluster.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
-        return asyncio.run(measure(cluster.base_url, served))
+        return event_loop.run(measure(cluster.base_url, served))
 
 
 def run_topology(model: str, colocated: bool, stream_tokens: int, long_every_s: float) -> dict[str, float]:

@@ -14,7 +14,6 @@ its prefix is still cached (together the two caches hold them all).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import time
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve import event_loop
 from pdserve.bench.client import ClientConfig
 from pdserve.bench.metrics import Distribution
 from pdserve.bench.results import LevelResult, Load
@@ -107,7 +107,7 @@ def run_policy(policy: str, args: argparse.Namespace) -> PolicyResult:
         client_config = ClientConfig(base_url=cluster.base_url, endpoint="chat", timeout_s=args.timeout_s)
         load = Load(concurrency=args.concurrency, num_requests=args.num_requests)
         # Both policies see the very same conversations (same tag); no warm-up: a cold cache is part of the test.
-        _, (level,) = asyncio.run(
+        _, (level,) = event_loop.run(
             run_benchmark(client_config, [load], lambda tag: iter_conversations(workload, "routing"), num_warmup=0)
         )
         after = gateway_counters(cluster.base_url)

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from pdserve import event_loop
 from pdserve.bench import plots, report
 from pdserve.bench.client import ENDPOINT_TO_PATH, ClientConfig, StreamingClient
 from pdserve.bench.metrics import RequestRecord, Slo, compute_metrics
@@ -264,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as error:
         sys.exit(f"pdserve bench serve: {error}")
     try:
-        model, results = asyncio.run(
+        model, results = event_loop.run(
             run_benchmark(
                 client_config,
                 loads,
