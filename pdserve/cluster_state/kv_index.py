@@ -79,12 +79,13 @@ class KvIndexPublisher:
 
     async def flush(self) -> None:
         changes = await self._drained_changes()
-        if _nothing_to_send(changes) and time.monotonic() - self._ttl_refreshed_at < self._ttl_refresh_s:
+        has_changes = _has_changes(changes)
+        now = time.monotonic()
+        if not has_changes and now - self._ttl_refreshed_at < self._ttl_refresh_s:
             return
-        refreshing_at = time.monotonic()
-        pipeline = self._client.pipeline(transaction=changes is not None and changes.full)
+        pipeline = self._client.pipeline(transaction=has_changes and changes.full)
         pipeline.pexpire(self.key, self.ttl_ms)
-        if not _nothing_to_send(changes):
+        if has_changes:
             _apply(pipeline, self.key, changes)
             pipeline.pexpire(self.key, self.ttl_ms)
         try:
@@ -94,7 +95,7 @@ class KvIndexPublisher:
             self._needs_full = changes is not None or self._needs_full  # drained changes are lost
             return
         self._failures.succeeded()
-        self._ttl_refreshed_at = refreshing_at
+        self._ttl_refreshed_at = now
         if changes is not None and changes.full:
             self._needs_full = False
         elif not set_was_there:
@@ -112,8 +113,9 @@ class KvIndexPublisher:
         return pending.result()
 
 
-def _nothing_to_send(changes) -> bool:
-    return changes is None or not (changes.full or changes.stored or changes.removed)
+def _has_changes(changes) -> bool:
+    """Whether a drain (None while the engine's step runs on) holds anything to write."""
+    return changes is not None and bool(changes.full or changes.stored or changes.removed)
 
 
 def _apply(pipeline, key: str, changes) -> None:
