@@ -1,12 +1,14 @@
-"""The benchmark's streaming client against scripted HTTP responses (httpx.MockTransport)."""
+"""The benchmark's streaming client against scripted responses from a real HTTP server on 127.0.0.1."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 
-import httpx
 import pytest
+from aiohttp import web
 
 from pdserve.bench.client import ClientConfig, StreamingClient
 from pdserve.bench.workloads import user
@@ -21,18 +23,35 @@ HI = (user("hi"),)
 USAGE = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}
 
 
+@contextlib.asynccontextmanager
+async def serving(handler):
+    """An HTTP server on 127.0.0.1 whose every request `handler` answers; yields its root URL."""
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
 def send(handler, messages=HI, max_tokens=3, **config):
-    """Runs one request through a client whose transport is `handler`; returns (record, text, requests)."""
+    """Runs one request through a client against a server answering with `handler`; returns
+    (record, text, requests), each request as (path, JSON body)."""
     requests = []
 
-    async def recording_handler(request: httpx.Request):
-        requests.append(request)
+    async def recording_handler(request: web.Request):
+        requests.append((request.path, json.loads(await request.read())))
         return await handler(request)
 
     async def main():
-        client_config = ClientConfig(base_url="http://server/v1", model="m", **config)
-        async with StreamingClient(client_config, transport=httpx.MockTransport(recording_handler)) as client:
-            return await client.send(list(messages), max_tokens)
+        async with serving(recording_handler) as url:
+            client_config = ClientConfig(base_url=url + "/v1", model="m", **config)
+            async with StreamingClient(client_config) as client:
+                return await client.send(list(messages), max_tokens)
 
     record, text = asyncio.run(main())
     return record, text, requests
@@ -40,7 +59,7 @@ def send(handler, messages=HI, max_tokens=3, **config):
 
 def stream_of(body: bytes, status: int = 200):
     async def handler(request):
-        return httpx.Response(status, content=body, headers={"content-type": "text/event-stream"})
+        return web.Response(status=status, body=body, content_type="text/event-stream")
 
     return handler
 
@@ -59,9 +78,9 @@ def test_completions_stream_records_content_chunks_and_usage():
     assert len(record.content_times_s) == 3  # the empty chunk carried no content
     assert (record.num_output_tokens, record.num_prompt_tokens) == (3, 7)
     assert record.start_s <= record.content_times_s[0] <= record.content_times_s[-1] <= record.end_s
-    (request,) = requests
-    assert request.url.path == "/v1/completions"
-    assert json.loads(request.content) == {
+    ((path, payload),) = requests
+    assert path == "/v1/completions"
+    assert payload == {
         "model": "m",
         "max_tokens": 3,
         "temperature": 0.0,
@@ -83,8 +102,8 @@ def test_chat_stream_does_not_count_the_role_chunk_as_content():
     record, text, requests = send(stream_of(body), endpoint="chat", ignore_eos=False)
     assert record.succeeded and text == "Hello" and len(record.content_times_s) == 2
     assert record.num_output_tokens is None and record.output_tokens == 2  # no usage: chunks stand for tokens
-    payload = json.loads(requests[0].content)
-    assert requests[0].url.path == "/v1/chat/completions"
+    ((path, payload),) = requests
+    assert path == "/v1/chat/completions"
     assert payload["messages"] == [{"role": "user", "content": "hi"}] and "ignore_eos" not in payload
 
 
@@ -113,37 +132,59 @@ def test_broken_streams_are_failed_requests(body, error):
 
 def test_a_request_past_its_timeout_fails():
     async def slow(request):
-        async def events():
-            yield sse({"choices": [{"index": 0, "text": "a"}]})
-            await asyncio.sleep(5)
-            yield sse(DONE)
-
-        return httpx.Response(200, content=events())
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(sse({"choices": [{"index": 0, "text": "a"}]}))
+        await asyncio.sleep(5)
+        await response.write(sse(DONE))
+        return response
 
     record, _, _ = send(slow, timeout_s=0.2)
     assert record.error == "timed out after 0.2 s" and record.e2e_s < 2
 
 
-def test_a_refused_connection_is_a_failed_request():
-    async def refuse(request):
-        raise httpx.ConnectError("connection refused", request=request)
+def test_a_dropped_connection_is_a_failed_request():
+    async def drop(request):
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(sse({"choices": [{"index": 0, "text": "a"}]}))
+        request.transport.close()  # mid-stream, with no last chunk
+        return response
 
-    record, _, _ = send(refuse)
-    assert record.error == "ConnectError: connection refused"
+    record, _, _ = send(drop)
+    assert not record.succeeded and record.content_times_s and "ClientPayloadError" in record.error
+
+
+def test_a_refused_connection_is_a_failed_request():
+    with socket.socket() as probe:  # a port nobody listens on: bound, never listening
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+        async def main():
+            async with StreamingClient(ClientConfig(base_url=f"http://127.0.0.1:{port}", model="m")) as client:
+                return await client.send(list(HI), 3)
+
+        record, _ = asyncio.run(main())
+    assert record.error.startswith("ClientConnectorError: Cannot connect to host 127.0.0.1")
 
 
 def test_the_model_defaults_to_the_first_one_listed():
     async def handler(request):
-        assert request.url.path == "/v1/models"
-        return httpx.Response(200, json={"object": "list", "data": [{"id": "first"}, {"id": "second"}]})
+        assert request.path == "/v1/models"
+        return web.json_response({"object": "list", "data": [{"id": "first"}, {"id": "second"}]})
 
     async def main():
-        async with StreamingClient(
-            ClientConfig(base_url="http://server"), transport=httpx.MockTransport(handler)
-        ) as client:
+        async with serving(handler) as url, StreamingClient(ClientConfig(base_url=url)) as client:
             return client.model
 
     assert asyncio.run(main()) == "first"
+
+
+def test_an_event_longer_than_aiohttps_default_line_limit_is_read_whole():
+    text = "x" * 200_000  # one event of ~200 KB, as a chunk with many logprobs may be
+    body = sse({"choices": [{"index": 0, "text": text}]}, DONE)
+    record, received, _ = send(stream_of(body))
+    assert record.succeeded and received == text
 
 
 def test_token_id_prompts_need_the_completions_endpoint():
