@@ -9,9 +9,12 @@
 namespace pdserve {
 
 // Asks for `bytes` from `begin` ahead of use: the weights of a step come from memory, not cache.
+// Into L2, not L1 (locality 2: prefetcht1): on two Xeon cores, prefetcht0 held a batch-1 int8
+// step at 7.7 ms and prefetcht1 gave 6.4-6.9 (cold GEMVs 17-20 -> 19-24 GB/s); prefetchnta took
+// 14 ms (docs/benchmarks.md, "Intel Xeon, sixth pass").
 inline void prefetch_rows(const void* begin, int64_t bytes) {
   const char* bytes_begin = static_cast<const char*>(begin);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(bytes_begin + offset);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(bytes_begin + offset, 0, 2);
 }
 
 // Keeps a loaded vector in a register: gcc otherwise folds every use of it back into a memory
