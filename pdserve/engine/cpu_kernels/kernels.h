@@ -8,13 +8,20 @@
 
 namespace pdserve {
 
+// Where prefetch_rows brings weight rows (__builtin_prefetch's locality). The batch-1 loops only
+// stream the rows by: to L2 (prefetcht1), since on two Xeon cores prefetcht0 held a batch-1 int8
+// step at 7.7 ms and prefetcht1 gave 6.4-6.9 (cold GEMVs 17-20 -> 19-24 GB/s; prefetchnta: 14 ms).
+// The batch loops compute long on each row: to L1, where the LM head at 32 rows ran 15-20%
+// faster than with the rows in L2 (docs/benchmarks.md, "Intel Xeon, sixth pass").
+enum class PrefetchTo : int { kL2 = 2, kL1 = 3 };
+
 // Asks for `bytes` from `begin` ahead of use: the weights of a step come from memory, not cache.
-// Into L2, not L1 (locality 2: prefetcht1): on two Xeon cores, prefetcht0 held a batch-1 int8
-// step at 7.7 ms and prefetcht1 gave 6.4-6.9 (cold GEMVs 17-20 -> 19-24 GB/s); prefetchnta took
-// 14 ms (docs/benchmarks.md, "Intel Xeon, sixth pass").
+template <PrefetchTo kTo = PrefetchTo::kL1>
 inline void prefetch_rows(const void* begin, int64_t bytes) {
   const char* bytes_begin = static_cast<const char*>(begin);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(bytes_begin + offset, 0, 2);
+  for (int64_t offset = 0; offset < bytes; offset += 64) {
+    __builtin_prefetch(bytes_begin + offset, 0, static_cast<int>(kTo));
+  }
 }
 
 // Keeps a loaded vector in a register: gcc otherwise folds every use of it back into a memory
