@@ -7,8 +7,8 @@ ending in `data: [DONE]` (HTTP error, error event, timeout, dropped connection, 
 failed request with the reason in its record: failures are counted, never dropped.
 
 The client runs on aiohttp, whose HTTP parser is C: on a small machine the load generator shares
-the cores with the server it measures, and httpx (pure-Python h11) took 135-210 us of CPU per
-streamed event against aiohttp's 50-90 (2-core Xeon, an event every 8 ms; docs/benchmarks.md).
+the cores with the server it measures, and httpx (pure-Python h11) took 132-210 us of CPU per
+streamed event against aiohttp's 36-110 (2-core Xeon, an event every 8 ms; docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -8,11 +8,12 @@
 
 namespace pdserve {
 
-// Where prefetch_rows brings weight rows (__builtin_prefetch's locality). The batch-1 loops only
-// stream the rows by: to L2 (prefetcht1), since on two Xeon cores prefetcht0 held a batch-1 int8
+// Where prefetch_rows brings weight rows (__builtin_prefetch's locality). The batch-1 integer int8
+// loop only streams the rows by: to L2 (prefetcht1), since on two Xeon cores prefetcht0 held a batch-1 int8
 // step at 7.7 ms and prefetcht1 gave 6.4-6.9 (cold GEMVs 17-20 -> 19-24 GB/s; prefetchnta: 14 ms).
-// The batch loops compute long on each row: to L1, where the LM head at 32 rows ran 15-20%
-// faster than with the rows in L2 (docs/benchmarks.md, "Intel Xeon, sixth pass").
+// The loops that compute long on each row (batches, int4, the float fallbacks) keep L1: the LM
+// head at 32 rows ran 15-20% faster so, and int4 at batch 1 showed no difference
+// (docs/benchmarks.md, "Intel Xeon, sixth pass").
 enum class PrefetchTo : int { kL2 = 2, kL1 = 3 };
 
 // Asks for `bytes` from `begin` ahead of use: the weights of a step come from memory, not cache.

@@ -342,7 +342,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
     int64_t n = begin;
     for (; n + 4 <= end; n += 4) {
       const int8_t *r0 = qs + n * K, *r1 = r0 + K, *r2 = r1 + K, *r3 = r2 + K;
-      if (n + 4 + kPrefetchRows <= end) prefetch_rows<PrefetchTo::kL2>(r0 + kPrefetchRows * K, 4 * K);
+      if (n + 4 + kPrefetchRows <= end) prefetch_rows(r0 + kPrefetchRows * K, 4 * K);
       for (int64_t m = 0; m < M; ++m) {
         const float* xr = xs + m * K;
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
