@@ -51,8 +51,10 @@ class DecodeNodeService:
         max_reserve_wait_s: float,
         colocated: bool = False,
         device: str = "cpu",
+        stream_interval: int = 1,
     ) -> None:
         self.kv_lease_s = kv_lease_s
+        self.stream_interval = stream_interval
         self.max_reserve_wait_s = max_reserve_wait_s
         if kv_transport == "cuda_ipc" and device == "cpu":
             raise ValueError("--kv-transport cuda_ipc moves pages between GPUs: use it with --device cuda")
@@ -68,7 +70,7 @@ class DecodeNodeService:
         ipc_handle = export_kv_cache(stacked_view(kv_caches)) if self.exports_cuda_ipc else b""
         in_place = segment is not None or bool(ipc_handle)  # same-host senders write pages directly
         self._receiver = KvReceiver(kv_caches, in_shared_memory=in_place, lease_s=self.kv_lease_s)
-        servicer = DecodeServicer(async_engine, self._receiver, self.max_reserve_wait_s)
+        servicer = DecodeServicer(async_engine, self._receiver, self.max_reserve_wait_s, self.stream_interval)
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
         if segment is not None:
             shared_kv = (segment.name, host_id(), segment.layout)

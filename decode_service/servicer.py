@@ -12,8 +12,9 @@ Lifecycle of one Generate stream:
      lease): a long queue there never fails the request; a lease that expires (the prefill
      node is gone, or never came) or a bad page frees the blocks and fails the call with
      UNAVAILABLE; the caller picks no deadline (the deprecated `kv_timeout_ms` is ignored);
-  3. join the continuous batch at the next step boundary and stream each sampled token,
-     the last chunk with its finish reason; the request leaves the batch as it finishes.
+  3. join the continuous batch at the next step boundary and stream the sampled tokens, a chunk
+     per `stream_interval` tokens (the first and the last at once), the last chunk with its
+     finish reason; the request leaves the batch as it finishes.
 However the call ends (done, failed, cancelled at any point), its blocks and its reservation
 in the receiver are released, and the next waiter for blocks is woken. A request id is served
 by one call at a time: a duplicate waits briefly for an earlier call that is being released (a
@@ -60,8 +61,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         async_engine: AsyncEngine,
         receiver: KvReceiver,
         max_reserve_wait_s: float,
+        stream_interval: int = 1,
     ) -> None:
         self.async_engine = async_engine
+        self.stream_interval = stream_interval
         self.receiver = receiver
         self.reservations = ReservationQueue(max_reserve_wait_s)
         self._request_id_to_released: dict[str, asyncio.Event] = {}  # one call per request id at a time
@@ -73,7 +76,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         released = await self._take_request_id(rid, context)
-        stream = self.async_engine.open_stream(rid)
+        stream = self.async_engine.open_stream(rid, self.stream_interval)
         finished, token = False, ""
         try:
             prompt = list(request.prompt_token_ids)

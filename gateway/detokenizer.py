@@ -50,6 +50,19 @@ class Detokenizer:
                 self._text += piece
         return self._release(final=False)
 
+    def add_tokens_until_stop(self, token_ids: Sequence[int]) -> tuple[str, int]:
+        """Like `add_tokens`, for a chunk of several tokens that may run past a stop string: feeds
+        them up to the one that completes it. Returns the new final text and how many of the
+        tokens belong to the output (those past the stop do not)."""
+        if not self._stop:
+            return self.add_tokens(token_ids), len(token_ids)
+        text = ""
+        for num_used, token_id in enumerate(token_ids, start=1):
+            text += self.add_tokens((token_id,))
+            if self.stopped:
+                return text, num_used
+        return text, len(token_ids)
+
     def finish(self) -> str:
         """The sequence ended: returns the rest, including bytes that never formed a whole character."""
         if self.stopped:

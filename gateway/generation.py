@@ -68,9 +68,11 @@ async def stream_choice(
     stream = backend.generate(spec.request_id, spec.prompt_token_ids, spec.params)
     try:
         async for chunk in stream:
-            pending.text += detokenizer.add_tokens(chunk.token_ids)
-            pending.logprobs += chunk.logprobs
-            pending.num_tokens += len(chunk.token_ids)
+            # A chunk of several tokens (a node's --stream-interval) may run past a stop string.
+            text, num_used = detokenizer.add_tokens_until_stop(chunk.token_ids)
+            pending.text += text
+            pending.logprobs += chunk.logprobs[:num_used]
+            pending.num_tokens += num_used
             pending.num_cached_tokens = max(pending.num_cached_tokens, chunk.num_cached_tokens)
             pending.route = chunk.route or pending.route
             if chunk.finish_reason is not None:

@@ -26,6 +26,7 @@ from pdserve.options import (
     GenerateSettings,
     KvTransferOptions,
     NodeSettings,
+    TokenStreamOptions,
     UpSettings,
     add_flags,
     settings_from_args,
@@ -118,9 +119,11 @@ def run_cluster(settings: UpSettings) -> int:
         num_decode=settings.decode,
         redis_url=settings.redis_url,
         colocated=settings.colocated,
-        # Every node gets the engine and transfer options, the gateway the router and admission ones, all of them the
-        # gRPC TLS paths (the launcher names the model, addresses and node ids itself).
-        node_args=tuple(to_flags(settings, EngineOptions, KvTransferOptions, GrpcTlsOptions, exclude={"model"})),
+        # Every node gets the engine, transfer and token stream options, the gateway the router and admission ones,
+        # all of them the gRPC TLS paths (the launcher names the model, addresses and node ids itself).
+        node_args=tuple(
+            to_flags(settings, EngineOptions, KvTransferOptions, TokenStreamOptions, GrpcTlsOptions, exclude={"model"})
+        ),
         gateway_args=tuple(
             to_flags(
                 settings,

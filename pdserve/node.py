@@ -79,7 +79,12 @@ def node_service(role: NodeRole, settings: NodeSettings) -> NodeService:
         )
     colocated = role == "colocated"
     return DecodeNodeService(
-        settings.kv_transport, settings.kv_lease_s, settings.max_reserve_wait_s, colocated, settings.device
+        settings.kv_transport,
+        settings.kv_lease_s,
+        settings.max_reserve_wait_s,
+        colocated,
+        settings.device,
+        settings.stream_interval,
     )
 
 

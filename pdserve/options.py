@@ -113,7 +113,29 @@ class KvTransferOptions(BaseModel):
     )
 
 
-class NodeSettings(EngineOptions, KvTransferOptions, RedisOptions, ClusterSecretOptions, GrpcTlsOptions, BaseSettings):
+class TokenStreamOptions(BaseModel):
+    """How a decode node streams a request's tokens to the gateway."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="tokens per streamed chunk after the first (the last chunk may hold fewer): a larger value "
+        "spends less CPU per token on gRPC, HTTP and the client, and delivers tokens in bursts",
+    )
+
+
+class NodeSettings(
+    EngineOptions,
+    KvTransferOptions,
+    TokenStreamOptions,
+    RedisOptions,
+    ClusterSecretOptions,
+    GrpcTlsOptions,
+    BaseSettings,
+):
     """`pdserve prefill|decode|colocated`: one node."""
 
     model_config = SettingsConfigDict(env_prefix="PDSERVE_NODE_", frozen=True)
@@ -173,12 +195,13 @@ class UpSettings(
     ApiKeyOptions,
     EngineOptions,
     KvTransferOptions,
+    TokenStreamOptions,
     ClusterSecretOptions,
     GrpcTlsOptions,
     BaseSettings,
 ):
-    """`pdserve up`: Redis, the nodes and the gateway on this machine. The engine and KV transfer
-    options go to every node, the router, admission, request limit and API key options to the
+    """`pdserve up`: Redis, the nodes and the gateway on this machine. The engine, KV transfer and
+    token stream options go to every node, the router, admission, request limit and API key options to the
     gateway, the gRPC TLS paths to all."""
 
     model_config = SettingsConfigDict(env_prefix="PDSERVE_UP_", frozen=True)

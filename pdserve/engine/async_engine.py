@@ -8,7 +8,8 @@ Lifecycle:
      else sleep until a command arrives;
   2. callers `await call(fn)` to run `fn(engine)` on the engine thread between two steps
      (the engine is never touched from two threads), and read a request's outputs from the
-     asyncio queue that `open_stream` returned;
+     asyncio queue that `open_stream` returned (with an interval of n tokens, the outputs of n
+     steps arrive as one: the first and the last at once);
   3. `stop()` ends the loop and joins the thread.
 No forward pass ever runs on the event loop.
 """
@@ -16,6 +17,7 @@ No forward pass ever runs on the event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -38,7 +40,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[
             tuple[Callable[[LLMEngine], Any], asyncio.Future, asyncio.AbstractEventLoop]
         ] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -64,12 +66,15 @@ class AsyncEngine:
         self._commands.put((fn, future, loop))
         return await future
 
-    def open_stream(self, request_id: str) -> asyncio.Queue:
-        """Queue that receives the request's RequestOutputs, on the caller's event loop."""
-        stream: asyncio.Queue = asyncio.Queue()
+    def open_stream(self, request_id: str, interval: int = 1) -> asyncio.Queue:
+        """Queue that receives the request's RequestOutputs, on the caller's event loop: its first
+        output at once, then one per `interval` new tokens (outputs merged), and the last at once."""
+        if interval < 1:
+            raise ValueError(f"a stream interval is at least 1 token, not {interval}")
+        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop(), interval)
         with self._streams_lock:
-            self._streams[request_id] = (stream, asyncio.get_running_loop())
-        return stream
+            self._streams[request_id] = stream
+        return stream.queue
 
     def close_stream(self, request_id: str) -> None:
         with self._streams_lock:
@@ -88,10 +93,9 @@ class AsyncEngine:
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._streams_lock:
             for output in outputs:
-                target = self._streams.get(output.request_id)
-                if target is not None:
-                    stream, loop = target
-                    deliveries.setdefault(loop, []).append((stream, output))
+                stream = self._streams.get(output.request_id)
+                if stream is not None and (due := stream.add(output)) is not None:
+                    deliveries.setdefault(stream.loop, []).append((stream.queue, due))
         # One wake-up per loop and step, not one per stream: each is a write to the loop's pipe.
         for loop, items in deliveries.items():
             loop.call_soon_threadsafe(_deliver, items)
@@ -140,6 +144,32 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_set_exception, future, error)
         else:
             loop.call_soon_threadsafe(_set_result, future, result)
+
+
+@dataclasses.dataclass
+class _Stream:
+    """Where one request's outputs go, and the tokens held back until its interval is full."""
+
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    interval: int
+    held: RequestOutput | None = None
+    delivered_first: bool = False
+
+    def add(self, output: RequestOutput) -> RequestOutput | None:
+        """The output to deliver now (merged with those held back), or None to hold it."""
+        if self.held is not None:
+            output = dataclasses.replace(
+                output,
+                new_token_ids=self.held.new_token_ids + output.new_token_ids,
+                new_logprobs=self.held.new_logprobs + output.new_logprobs,
+            )
+        if output.finished or not self.delivered_first or len(output.new_token_ids) >= self.interval:
+            self.held = None
+            self.delivered_first = True
+            return output
+        self.held = output
+        return None
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

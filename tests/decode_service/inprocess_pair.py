@@ -71,14 +71,17 @@ def engine_for(path, layer_hook=None) -> AsyncEngine:
     return AsyncEngine(LLMEngine(config, layer_hook=layer_hook))
 
 
-async def serve(path, lease_s: float = DEFAULT_LEASE_S, max_reserve_wait_s: float = 5.0, decode_nodes=None) -> Pair:
+async def serve(
+    path, lease_s: float = DEFAULT_LEASE_S, max_reserve_wait_s: float = 5.0, decode_nodes=None, stream_interval: int = 1
+) -> Pair:
     pushes = KvPushes()
     decode, prefill = engine_for(path), engine_for(path, pushes.on_layer_computed)
     decode.start()
     prefill.start()
     receiver = KvReceiver(decode.engine.kv_caches, lease_s=lease_s)
     server = grpc.aio.server()
-    decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(decode, receiver, max_reserve_wait_s), server)
+    servicer = DecodeServicer(decode, receiver, max_reserve_wait_s, stream_interval)
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
     sender = FakeKvSender({"decode": receiver})
     prefill_servicer = PrefillServicer(prefill, sender, pushes, LeaseKeeper(sender, lease_s), decode_nodes)
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill_servicer, server)

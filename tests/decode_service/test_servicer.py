@@ -37,6 +37,24 @@ def test_prefill_then_decode_equals_the_offline_engine(tiny_llama_path):
     run(tiny_llama_path, scenario)
 
 
+def test_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(tiny_llama_path):
+    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0.0)
+
+    async def scenario(pair: Pair):
+        call = pair.generate("r", prompt, params, local_prefill=True)  # colocated: the node computes the prompt
+        assert (await call.read()).HasField("reserved")
+        chunks = []
+        while (message := await call.read()) is not grpc.aio.EOF:
+            chunks.append(list(message.chunk.token_ids))
+        # The first token at once (time to first token), then 3 per chunk, the last with the rest.
+        assert [len(chunk) for chunk in chunks] == [1, 3, 3, 1]
+        expected = offline(tiny_llama_path).generate([prompt], params)[0].token_ids
+        assert [token for chunk in chunks for token in chunk] == expected
+        assert await pair.is_idle()
+
+    run(tiny_llama_path, scenario, stream_interval=3)
+
+
 def test_a_prompt_queued_on_the_prefill_node_for_many_lease_periods_still_completes(tiny_llama_path):
     prompt, params = list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0.0)
 

@@ -43,6 +43,17 @@ def test_stop_string_across_token_boundaries(client, backend, tokenizer):
     assert backend.calls[0].stream.closed_early
 
 
+def test_a_chunk_running_past_a_stop_string_counts_and_scores_only_the_tokens_up_to_it(client, backend, tokenizer):
+    # A node with --stream-interval sends several tokens per chunk: here the stop string ends
+    # inside the first chunk, whose last tokens are not part of the completion.
+    backend.script = text_chunks(tokenizer, "one two. three four", tokens_per_chunk=8, with_logprobs=True)
+    body = complete(client, stop=".", logprobs=0).json()
+    used = len(tokenizer.encode("one two.", add_special_tokens=False))
+    assert body["choices"][0]["text"] == "one two"
+    assert body["usage"]["completion_tokens"] == used
+    assert len(body["choices"][0]["logprobs"]["tokens"]) == used
+
+
 def test_token_id_prompts_and_prompt_lists(client, backend, tokenizer):
     ids = tokenizer.encode("abc")
     assert complete(client, prompt=ids).status_code == 200

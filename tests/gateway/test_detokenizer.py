@@ -94,3 +94,18 @@ def test_stop_string_completed_by_the_last_token_at_finish(tokenizer):
 def test_empty_stop_string_is_refused(tokenizer):
     with pytest.raises(ValueError, match="empty"):
         Detokenizer(tokenizer, stop=[""])
+
+
+def test_a_chunk_running_past_a_stop_string_uses_the_tokens_up_to_it(tokenizer):
+    before = tokenizer.encode("The answer is 42.", add_special_tokens=False)
+    stop = tokenizer.encode("\nUser:", add_special_tokens=False)
+    after = tokenizer.encode(" next question", add_special_tokens=False)
+    detokenizer = Detokenizer(tokenizer, stop=["\nUser:"])
+    text, num_used = detokenizer.add_tokens_until_stop(before + stop + after)
+    assert (text, num_used) == ("The answer is 42.", len(before) + len(stop))
+    assert detokenizer.stopped
+
+
+def test_a_chunk_without_stop_strings_is_used_whole(tokenizer):
+    ids = tokenizer.encode("Hello world", add_special_tokens=False)
+    assert Detokenizer(tokenizer).add_tokens_until_stop(ids) == ("Hello world", len(ids))

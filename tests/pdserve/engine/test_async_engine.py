@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.request import RequestOutput
 
@@ -53,3 +55,31 @@ def test_a_steps_outputs_reach_their_streams_with_one_wake_up_per_loop():
         other_loop.call_soon_threadsafe(other_loop.stop)
         thread.join(5)
         other_loop.close()
+
+
+def test_a_stream_interval_merges_outputs_but_sends_the_first_and_the_last_at_once():
+    engine = AsyncEngine(IdleEngine())
+
+    async def body():
+        stream = engine.open_stream("a", interval=3)
+        finished = RequestOutput("a", [7], [], True, "length", num_prompt_tokens=1, num_cached_tokens=0)
+        steps = [[output("a", token)] for token in range(5)] + [[finished]]
+        publisher = threading.Thread(target=lambda: [engine.publish(outputs) for outputs in steps])
+        publisher.start()
+        publisher.join()
+        chunks = [await stream.get() for _ in range(3)]
+        assert [chunk.new_token_ids for chunk in chunks] == [[0], [1, 2, 3], [4, 7]]
+        assert [chunk.finish_reason for chunk in chunks] == [None, None, "length"]
+        assert stream.empty()
+
+    asyncio.run(body())
+
+
+def test_a_stream_interval_below_one_token_is_refused():
+    engine = AsyncEngine(IdleEngine())
+
+    async def body():
+        with pytest.raises(ValueError, match="at least 1 token"):
+            engine.open_stream("a", interval=0)
+
+    asyncio.run(body())
