@@ -1,4 +1,6 @@
-"""The real default model through `pdserve up` (embedded Redis, 1 prefill + 1 decode, gateway)."""
+"""The real default model through `pdserve up` (embedded Redis, 1 prefill + 1 decode, gateway),
+its decode node streaming 4 tokens per chunk (`--stream-interval 4`; the other end-to-end
+tests stream one token per chunk, the default)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 def base_url():
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port)],
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--stream-interval", "4"],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -67,3 +69,8 @@ def test_completion_with_a_stop_string(base_url):
     stopped = api.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[" 7"])
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == full.choices[0].text.split(" 7")[0]
+    # The chunk holding " 7" ran past it: only the tokens up to the stop string count.
+    scored = api.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, logprobs=0)
+    tokens = scored.choices[0].logprobs.tokens
+    num_up_to_stop = next(n for n in range(1, len(tokens) + 1) if " 7" in "".join(tokens[:n]))
+    assert stopped.usage.completion_tokens == num_up_to_stop < len(tokens)

@@ -115,3 +115,13 @@ def test_up_hands_the_grpc_tls_paths_to_every_node_and_the_gateway(monkeypatch):
     for spec in specs:
         settings = parse(GatewaySettings if spec.role == "gateway" else NodeSettings, list(spec.extra_args))
         assert (settings.grpc_tls_cert, settings.grpc_tls_key, settings.grpc_tls_ca) == ("/c.pem", "/k.pem", "/ca.pem")
+
+
+def test_up_hands_its_stream_interval_to_every_node(monkeypatch):
+    plans = []
+    monkeypatch.setattr("pdserve.launcher.run_up", lambda plan: plans.append(plan) or 0)
+    run_cluster(parse(UpSettings, ["--stream-interval", "4"]))
+    node_specs = [spec for spec in plans[0].child_specs("redis://r:1/0") if spec.role != "gateway"]
+    assert {spec.role for spec in node_specs} == {"prefill", "decode"}
+    for spec in node_specs:
+        assert parse(NodeSettings, list(spec.extra_args)).stream_interval == 4
