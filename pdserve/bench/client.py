@@ -76,10 +76,12 @@ class StreamingClient:
     async def __aenter__(self) -> StreamingClient:
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         # No connection cap (the load generator bounds concurrency) and no proxies from the
-        # environment (aiohttp reads none unless trust_env); `send` applies the timeout.
+        # environment (aiohttp reads none unless trust_env); `send` applies the timeout. A new
+        # connection per request: llama-server closes kept-alive ones on its own terms, and a
+        # request sent on one it just closed fails ("Can not write request body").
         self._http = aiohttp.ClientSession(
             headers=headers,
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
             timeout=aiohttp.ClientTimeout(total=None),
             read_bufsize=MAX_LINE_BYTES,
         )

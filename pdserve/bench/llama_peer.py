@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -104,11 +105,14 @@ class LlamaServer:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> LlamaServer:
-        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # Its log goes to a file: a pipe nobody reads fills up (64 KiB) and stalls the server.
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited: {self.process.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"llama-server exited: {self.log.read()[-2000:]}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     return self
@@ -126,3 +130,5 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.process is not None:
+            self.log.close()

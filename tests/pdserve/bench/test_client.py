@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 
 import pytest
@@ -153,6 +154,37 @@ def test_a_dropped_connection_is_a_failed_request():
 
     record, _, _ = send(drop)
     assert not record.succeeded and record.content_times_s and "ClientPayloadError" in record.error
+
+
+def test_requests_after_a_server_drops_a_kept_alive_connection_still_succeed():
+    # llama-server keeps connections alive and closes them on its own terms (half of its requests
+    # failed "Can not write request body" when the client reused them): each request connects anew.
+    body = sse({"choices": [{"index": 0, "text": "a"}]}, USAGE, DONE)
+
+    async def first_request_only(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(body))
+        writer.write(body)
+        await writer.drain()
+        with contextlib.suppress(asyncio.IncompleteReadError):
+            await reader.readuntil(b"\r\n\r\n")  # a second request on this connection: drop it
+        writer.transport.abort()
+
+    async def main():
+        server = await asyncio.start_server(first_request_only, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            config = ClientConfig(base_url=f"http://127.0.0.1:{port}", model="m", timeout_s=5)
+            async with StreamingClient(config) as client:
+                return [(await client.send(list(HI), 3))[0] for _ in range(3)]
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    records = asyncio.run(main())
+    assert [record.error for record in records] == [None, None, None]
 
 
 def test_a_refused_connection_is_a_failed_request():
