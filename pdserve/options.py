@@ -201,8 +201,8 @@ class UpSettings(
     BaseSettings,
 ):
     """`pdserve up`: Redis, the nodes and the gateway on this machine. The engine, KV transfer and
-    token stream options go to every node, the router, admission, request limit and API key options to the
-    gateway, the gRPC TLS paths to all."""
+    token stream options go to every node, the router, admission, request limit and API key
+    options to the gateway, the gRPC TLS paths to all."""
 
     model_config = SettingsConfigDict(env_prefix="PDSERVE_UP_", frozen=True)
 

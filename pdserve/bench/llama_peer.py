@@ -103,6 +103,7 @@ class LlamaServer:
             "-t", str(threads), "-np", str(parallel), "-cb", "-c", str(parallel * context_per_slot),
         ]  # fmt: skip
         self.process: subprocess.Popen | None = None
+        self.log = None  # llama-server's stderr, a temporary file while it runs
 
     def __enter__(self) -> LlamaServer:
         # Its log goes to a file: a pipe nobody reads fills up (64 KiB) and stalls the server.
@@ -112,7 +113,9 @@ class LlamaServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self.log.seek(0)
-                raise RuntimeError(f"llama-server exited: {self.log.read()[-2000:]}")
+                message = self.log.read()[-2000:]
+                self.log.close()
+                raise RuntimeError(f"llama-server exited: {message}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     return self
@@ -130,5 +133,5 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if self.process is not None:
+        if self.log is not None:
             self.log.close()
