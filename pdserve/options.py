@@ -64,6 +64,12 @@ class EngineOptions(BaseModel):
         description="weight-only quantized linear layers on CPU: int8 per channel, int4 in groups of 32 "
         "(the default model's own Q4_1 weights)",
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        CacheConfig.dtype,
+        description="auto: the model's dtype; float16 or bfloat16 under float32 weights halve the KV bytes a "
+        "decode step reads and the memory per token, with K and V stored rounded (outputs may differ "
+        "from float32's; docs/benchmarks.md measures by how much)",
+    )
     block_size: int = Field(CacheConfig.block_size, description="tokens per KV block, a power of two")
     kv_cache_gib: float = Field(CacheConfig.kv_cache_memory_bytes / GIB, gt=0, description="memory for the KV cache")
     max_num_batched_tokens: int = Field(
@@ -85,6 +91,7 @@ class EngineOptions(BaseModel):
                 kv_cache_memory_bytes=int(self.kv_cache_gib * GIB),
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.prefix_caching,
+                dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs

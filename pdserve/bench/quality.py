@@ -14,7 +14,10 @@ For each `--quantization` mode against float32, on the same weights:
                    (projections and LM head; the embedding reads one row) over the memory
                    read bandwidth measured here (a sum over 1 GiB)
 
-    pdserve bench quality [--model M] [--modes none,int8,int4] [--tokens 32] [--attention-backend cpu] [--json F]
+    pdserve bench quality [--model M] [--modes none,int8,int4] [--tokens 32] [--attention-backend cpu]
+                          [--kv-cache-dtype float16] [--json F]
+
+With `--kv-cache-dtype`, the measured engines keep K and V in that dtype; the reference stays float32.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.attention import BatchLayout
-from pdserve.engine.config import CacheConfig
+from pdserve.engine.config import KV_CACHE_DTYPES, CacheConfig
 from pdserve.engine.kv_cache import KvCacheSpec, LocalKvCacheStorage, kv_caches_over
 
 PROMPTS = [
@@ -76,7 +79,7 @@ def sequence_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     block_size = runner.block_size
     num_blocks = -(-len(token_ids) // block_size)
     spec = KvCacheSpec(
-        len(runner.model.layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim, runner.dtype, "cpu"
+        len(runner.model.layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim, runner.kv_dtype, "cpu"
     )
     kv_caches = kv_caches_over(LocalKvCacheStorage().allocate(spec))
     layout = BatchLayout(
@@ -160,19 +163,25 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def measure(model: str, modes: Sequence[str], num_tokens: int, attention_backend: str = "torch") -> dict:
-    def engine_for(mode: str, backend: str = attention_backend) -> LLMEngine:
-        cache = CacheConfig(kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
+def measure(
+    model: str, modes: Sequence[str], num_tokens: int, attention_backend: str = "torch", kv_cache_dtype: str = "auto"
+) -> dict:
+    def engine_for(mode: str, backend: str = attention_backend, kv_dtype: str = kv_cache_dtype) -> LLMEngine:
+        cache = CacheConfig(kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False, dtype=kv_dtype)
         return LLMEngine(EngineConfig(model=model, quantization=mode, attention_backend=backend, cache=cache))
 
-    reference = engine_for("none", "torch")  # the accuracy reference: float32, SDPA
+    reference = engine_for("none", "torch", "auto")  # the accuracy reference: float32 weights and cache, SDPA
     prompts = [reference.tokenizer(p)["input_ids"] for p in PROMPTS]
     reference_tokens = greedy(reference, prompts, num_tokens)
     reference_ppl = perplexity(reference, PERPLEXITY_TEXT)
     bandwidth = read_bandwidth_gbps()
     results = {}
     for mode in modes:
-        engine = reference if (mode, attention_backend) == ("none", "torch") else engine_for(mode)
+        same_as_reference = (mode, attention_backend, kv_cache_dtype) in {
+            ("none", "torch", "auto"),
+            ("none", "torch", "float32"),
+        }
+        engine = reference if same_as_reference else engine_for(mode)
         tokens = greedy(engine, prompts, num_tokens)
         ppl = perplexity(engine, PERPLEXITY_TEXT)
         step_ms = decode_step_ms(engine, prompts[0], num_tokens)
@@ -193,6 +202,7 @@ def measure(model: str, modes: Sequence[str], num_tokens: int, attention_backend
         "tokens": num_tokens,
         "threads": torch.get_num_threads(),
         "attention_backend": attention_backend,
+        "kv_cache_dtype": kv_cache_dtype,
         "read_bandwidth_gbps": bandwidth,
         "cpu": platform.processor() or platform.machine(),
         "modes": results,
@@ -203,7 +213,7 @@ def format_table(report: dict) -> str:
     lines = [
         f"{report['num_prompts']} prompts x {report['tokens']} greedy tokens; memory "
         f"{report['read_bandwidth_gbps']:.1f} GB/s read; {report['threads']} threads; "
-        f"--attention-backend {report['attention_backend']}",
+        f"--attention-backend {report['attention_backend']}; --kv-cache-dtype {report.get('kv_cache_dtype', 'auto')}",
         "| mode | agreement | identical sequences | first divergence | perplexity (ratio) | step ms | floor ms |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -224,11 +234,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
     parser.add_argument("--attention-backend", default="torch", choices=["torch", "cpu"], help="measured engines'")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="measured engines' (the reference: float32)"
+    )
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = measure(args.model, args.modes.split(","), args.tokens, args.attention_backend)
+    report = measure(args.model, args.modes.split(","), args.tokens, args.attention_backend, args.kv_cache_dtype)
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:

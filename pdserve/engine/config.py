@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.model_loader import DEFAULT_MODEL
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -21,8 +23,13 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 1 << 30
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # auto: the model's dtype. A 16-bit cache under float32 weights halves the KV bytes a decode
+    # step reads (and the memory per token); K and V are stored rounded, so outputs may differ.
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"the KV cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -71,7 +78,16 @@ class EngineConfig:
             raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
         if self.attention_backend not in ("torch", "cpu", "triton"):
             raise ValueError(f"attention_backend must be torch, cpu or triton, got {self.attention_backend!r}")
+        if self.attention_backend == "triton" and self.kv_cache_dtype != self.dtype:
+            raise ValueError(
+                f"--kv-cache-dtype {self.cache.dtype} under --dtype {self.dtype} needs --attention-backend torch or cpu"
+            )
         if self.quantization != "none" and not self.device.startswith("cpu"):
             raise ValueError(f"--quantization {self.quantization} runs on torch's CPU kernels only, not {self.device}")
         if not self.model:
             raise ValueError("model must name an alias, a Hugging Face folder or a .gguf file")
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's dtype: `cache.dtype`, or the model's for auto."""
+        return self.dtype if self.cache.dtype == "auto" else self.cache.dtype

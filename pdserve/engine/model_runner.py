@@ -45,6 +45,7 @@ class ModelRunner:
             )
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
+        self.kv_dtype = DTYPES[config.kv_cache_dtype]
         self.block_size = config.cache.block_size
         check_backend_fits_device(config.attention_backend, self.device, self.block_size)
         self.model = self._load_model(config, model_path, hf_config)
@@ -52,8 +53,8 @@ class ModelRunner:
         self.num_blocks = config.cache.num_blocks or self._num_blocks_for(self._kv_cache_bytes(config), hf_config)
         attn = self.model.layers[0].self_attn
         spec = KvCacheSpec(
-            hf_config.num_hidden_layers, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype,
-            config.device,
+            hf_config.num_hidden_layers, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim,
+            self.kv_dtype, config.device,
         )  # fmt: skip
         self.kv_caches = kv_caches_over(kv_storage.allocate(spec))
         self.decode_stack = (
@@ -66,8 +67,9 @@ class ModelRunner:
         self.seed_generator = torch.Generator().manual_seed(config.seed)
         self.seeds: dict[str, int] = {}  # request id -> its seed, drawn here for unseeded requests
         logger.info(
-            "model loaded from %s; KV cache: %d blocks of %d tokens", model_path, self.num_blocks, self.block_size
-        )
+            "model loaded from %s; KV cache: %d blocks of %d tokens (%s)",
+            model_path, self.num_blocks, self.block_size, config.kv_cache_dtype,
+        )  # fmt: skip
 
     def _load_model(self, config: EngineConfig, model_path: Path, hf_config: PretrainedConfig) -> LlamaModel:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -131,7 +133,7 @@ class ModelRunner:
     def _num_blocks_for(self, memory_bytes: int, hf_config: PretrainedConfig) -> int:
         attn = self.model.layers[0].self_attn
         per_block = bytes_per_block(
-            hf_config.num_hidden_layers, self.block_size, attn.num_kv_heads, attn.head_dim, self.dtype
+            hf_config.num_hidden_layers, self.block_size, attn.num_kv_heads, attn.head_dim, self.kv_dtype
         )
         return max(1, memory_bytes // per_block)
 

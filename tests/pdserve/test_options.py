@@ -37,7 +37,9 @@ def test_flag_defaults_are_the_engines_own():
 
 def test_flags_reach_the_engine_config():
     argv = ["--max-num-seqs", "8", "--kv-cache-gib", "0.5", "--no-prefix-caching", "--dtype", "bfloat16"]
+    argv += ["--kv-cache-dtype", "float16"]
     config = parse(NodeSettings, argv).engine_config()
+    assert config.cache.dtype == "float16"
     assert config.scheduler.max_num_seqs == 8
     assert config.cache.kv_cache_memory_bytes == 1 << 29
     assert config.cache.enable_prefix_caching is False

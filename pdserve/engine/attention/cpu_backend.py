@@ -4,8 +4,8 @@ The torch backend gathers every decoding sequence's whole context into a padded 
 step, in every layer, then calls SDPA with a mask: at batch 1 and a few hundred tokens of
 context that gather and SDPA took about 4 ms of a 40 ms step (docs/benchmarks.md). Here float32
 decodes go to the C++ kernel of cpu_kernels/paged_attention.cpp, which walks each sequence's
-block table and reads K and V rows where they lie. Prefill chunks, and other dtypes, keep the
-torch backend's path.
+block table and reads K and V rows where they lie, from a float32, float16 or bfloat16 cache.
+Prefill chunks, and activations in other dtypes, keep the torch backend's path.
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ import torch
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend, _PaddedGroup
 from pdserve.engine.cpu_kernels import cpu_kernels
 
+# The caches the kernel reads (--kv-cache-dtype): 16-bit ones are converted to float32 as they are read.
+KERNEL_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 class CpuAttentionBackend(TorchAttentionBackend):
     def _decode(self, query, k_cache, v_cache, group: _PaddedGroup) -> torch.Tensor:
-        if query.device.type != "cpu" or query.dtype != torch.float32:
+        if query.device.type != "cpu" or query.dtype != torch.float32 or k_cache.dtype not in KERNEL_CACHE_DTYPES:
             return super()._decode(query, k_cache, v_cache, group)
         return cpu_kernels().paged_decode_attention(
             query, k_cache, v_cache, group.block_table, group.context_lens, self.scale

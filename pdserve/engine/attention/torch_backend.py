@@ -56,8 +56,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, kv_cache, metadata: TorchAttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, key)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, value)
+        # A 16-bit cache under float32 activations (--kv-cache-dtype) stores K and V rounded.
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, key.to(k_cache.dtype))
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+            0, metadata.slot_mapping, value.to(v_cache.dtype)
+        )
         nd = metadata.num_decodes
         if metadata.prefill is None:
             return self._decode(query, k_cache, v_cache, metadata.decode)
@@ -80,8 +83,8 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             q = query[group.query_index].transpose(1, 2)  # [B, H, Lq, D]
         if group.causal:
-            k = self._gather(k_cache, group.block_table)[:, :, :max_q]
-            v = self._gather(v_cache, group.block_table)[:, :, :max_q]
+            k = self._gather(k_cache, group.block_table, q.dtype)[:, :, :max_q]
+            v = self._gather(v_cache, group.block_table, q.dtype)[:, :, :max_q]
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
             out = self._attend(q.reshape(num_seqs, self.num_kv_heads, -1, self.head_dim), k_cache, v_cache, group)
@@ -89,15 +92,15 @@ class TorchAttentionBackend(AttentionBackend):
         return out[0] if num_seqs == 1 else out[group.query_valid]
 
     def _attend(self, q, k_cache, v_cache, group: _PaddedGroup) -> torch.Tensor:
-        k = self._gather(k_cache, group.block_table)
-        v = self._gather(v_cache, group.block_table)
+        k = self._gather(k_cache, group.block_table, q.dtype)
+        v = self._gather(v_cache, group.block_table, q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=self.scale)
 
-    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """[B, kv_heads, max_blocks * block_size, D] context of each sequence (index_select on a
-        flat id list is about twice as fast as advanced indexing with a 2-D table on CPU)."""
+    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[B, kv_heads, max_blocks * block_size, D] context of each sequence, in `dtype` (index_select on
+        a flat id list is about twice as fast as advanced indexing with a 2-D table on CPU)."""
         num_seqs = block_table.shape[0]
-        blocks = cache.index_select(0, block_table.flatten())
+        blocks = cache.index_select(0, block_table.flatten()).to(dtype)
         return blocks.view(num_seqs, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     @staticmethod

@@ -10,11 +10,13 @@
 //               x += attention(q) @ Wo;  h = rms_norm(x);  g, u = h @ Wgate_up;  x += (silu(g) * u) @ Wdown
 //   return rms_norm(x)
 //
-// Float32 activations; each projection is float32 (at::linear), int8 or int4 (quantized_gemv.cpp).
+// Float32 activations; each projection is float32 (at::linear), int8 or int4 (quantized_gemv.cpp);
+// the KV caches float32, float16 or bfloat16 (--kv-cache-dtype), written rounded as torch rounds.
 // The Python side (pdserve/engine/models/cpu_decode.py) builds the stack from a loaded model and
 // calls it only for steps in which every sequence decodes one token.
 #include "kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -134,9 +136,10 @@ class DecodeStack {
   void add_layer(torch::Tensor input_norm, Linear qkv, Linear o, torch::Tensor post_attention_norm, Linear gate_up,
                  Linear down, torch::Tensor k_cache, torch::Tensor v_cache) {
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == KVH_ && k_cache.size(3) == D_ && k_cache.is_contiguous() &&
-                    k_cache.scalar_type() == torch::kFloat32 && v_cache.sizes() == k_cache.sizes() &&
+                    v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
                     v_cache.is_contiguous(),
-                "KV caches must be contiguous float32 [blocks, block_size, kv_heads, head_dim]");
+                "KV caches must be contiguous [blocks, block_size, kv_heads, head_dim], K and V of one dtype");
+    with_cache_type(k_cache, [](auto) {});  // float32, float16 or bfloat16
     layers_.push_back(Layer{std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
                             std::move(gate_up), std::move(down), std::move(k_cache), std::move(v_cache)});
   }
@@ -179,14 +182,17 @@ class DecodeStack {
   void write_kv(const float* rows, int64_t row_stride, int64_t q_size, int64_t kv_size, const int64_t* slot, int64_t B,
                 const Layer& layer) const {
     const int64_t num_slots = layer.k_cache.size(0) * layer.k_cache.size(1);
-    float* ks = layer.k_cache.data_ptr<float>();
-    float* vs = layer.v_cache.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "KV slot ", slot[b], " outside the cache");
-      const float* k = rows + b * row_stride + q_size;
-      std::copy(k, k + kv_size, ks + slot[b] * kv_size);
-      std::copy(k + kv_size, k + 2 * kv_size, vs + slot[b] * kv_size);
-    }
+    with_cache_type(layer.k_cache, [&](auto element) {
+      using T = decltype(element);
+      T* ks = cache_data<T>(layer.k_cache);
+      T* vs = cache_data<T>(layer.v_cache);
+      for (int64_t b = 0; b < B; ++b) {
+        TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "KV slot ", slot[b], " outside the cache");
+        const float* k = rows + b * row_stride + q_size;
+        std::transform(k, k + kv_size, ks + slot[b] * kv_size, from_float<T>);
+        std::transform(k + kv_size, k + 2 * kv_size, vs + slot[b] * kv_size, from_float<T>);
+      }
+    });
   }
 
   int64_t H_, KVH_, D_;

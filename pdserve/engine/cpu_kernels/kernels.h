@@ -1,6 +1,7 @@
 // The kernels each source defines and the others (and the Python bindings) call.
 #pragma once
 
+#include <immintrin.h>
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -32,6 +33,86 @@ inline void prefetch_rows(const void* begin, int64_t bytes) {
 template <typename T>
 inline void in_register(T& v) {
   if constexpr (!std::is_arithmetic_v<T>) __asm__("" : "+v"(v));
+}
+
+// A KV cache element of each dtype the caches hold (--kv-cache-dtype), read as float: 16-bit caches
+// halve the bytes a decode step's attention reads. The loops over them vectorize (gcc: F16C's
+// vcvtph2ps for float16; a shift for bfloat16).
+using Half = _Float16;
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(Half x) { return static_cast<float>(x); }
+inline float to_float(BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// float -> cache element, rounding to nearest even as torch's .to(dtype) does, so that the C++
+// decode step and the torch path write the same cache.
+template <typename T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) { return x; }
+template <>
+inline Half from_float<Half>(float x) { return static_cast<Half>(x); }
+template <>
+inline BFloat16 from_float<BFloat16>(float x) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffff) > 0x7f800000) return BFloat16{static_cast<uint16_t>((bits >> 16) | 0x40)};  // NaN stays NaN
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return BFloat16{static_cast<uint16_t>(bits >> 16)};
+}
+
+// A row of n cache elements as float32: the row itself for a float32 cache, else converted into
+// `scratch` (n floats). gcc 12 leaves a loop of _Float16 conversions scalar under -march=native on
+// CPUs with AVX512-FP16 (one vcvtsh2ss per element: a float16 cache ran 5x slower than float32),
+// so float16 rows convert with F16C / AVX-512 instructions here.
+inline const float* row_as_float(const float* row, float*, int64_t) { return row; }
+inline const float* row_as_float(const BFloat16* row, float* scratch, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) scratch[i] = to_float(row[i]);
+  return scratch;
+}
+inline const float* row_as_float(const Half* row, float* scratch, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(scratch + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i))));
+  }
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(scratch + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i))));
+  }
+#endif
+  for (; i < n; ++i) scratch[i] = to_float(row[i]);
+  return scratch;
+}
+
+// Calls fn(T{}) with T the element type of a KV cache tensor (float32, float16 or bfloat16).
+template <typename F>
+decltype(auto) with_cache_type(const torch::Tensor& cache, const F& fn) {
+  switch (cache.scalar_type()) {
+    case torch::kFloat32:
+      return fn(float{});
+    case torch::kFloat16:
+      return fn(Half{});
+    case torch::kBFloat16:
+      return fn(BFloat16{});
+    default:
+      TORCH_CHECK(false, "KV caches are float32, float16 or bfloat16, not ", cache.scalar_type());
+  }
+}
+
+// The elements of a KV cache tensor of element type T.
+template <typename T>
+inline T* cache_data(const torch::Tensor& cache) {
+  return static_cast<T*>(cache.data_ptr());
 }
 
 // quantized_gemv.cpp

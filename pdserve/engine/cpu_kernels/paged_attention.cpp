@@ -26,6 +26,7 @@ namespace pdserve {
 namespace {
 
 constexpr int64_t kChunkTokens = 64;
+constexpr int64_t kMaxHeadDim = 256;  // a 16-bit cache row converts into a buffer of this size
 
 // exp(x) for the softmax's x <= 0, in a form the compiler vectorizes (std::exp is a scalar call
 // without -ffast-math): exp(x) = 2^n * e^r with n = round(x / ln 2) and |r| <= ln(2) / 2, e^r by
@@ -46,11 +47,11 @@ inline float softmax_exp(float x) {
 // for the hardware prefetcher.
 constexpr int64_t kPrefetchTokens = 4;
 
-template <typename RowOf>
-inline void prefetch_token(const RowOf& row_of, const float* cache, int64_t t, int64_t end, int64_t token_stride) {
+template <typename T, typename RowOf>
+inline void prefetch_token(const RowOf& row_of, const T* cache, int64_t t, int64_t end, int64_t token_stride) {
   if (t >= end) return;
-  const float* row = row_of(cache, t, 0);
-  for (int64_t i = 0; i < token_stride; i += 16) __builtin_prefetch(row + i);
+  const T* row = row_of(cache, t, 0);
+  for (int64_t i = 0; i < token_stride; i += 64 / sizeof(T)) __builtin_prefetch(row + i);
 }
 
 struct Shapes {
@@ -61,20 +62,21 @@ struct Shapes {
 // and the sum of exp(score - max) * v, into `max`, `sum` [H] and `acc` [H, D]. KV head by KV
 // head, so that a group's query rows and output sums stay in registers while the chunk's rows
 // (a few tens of KB) are read from cache after the first head. kD is the head size when known
-// at compile time (the loops then unroll fully), else 0 and s.D is used.
-template <int64_t kD>
-void attend_chunk(const float* q, const float* ks, const float* vs, const int64_t* blocks, int64_t t0, int64_t t1,
+// at compile time (the loops then unroll fully), else 0 and s.D is used. T: the caches' element type.
+template <int64_t kD, typename T>
+void attend_chunk(const float* q, const T* ks, const T* vs, const int64_t* blocks, int64_t t0, int64_t t1,
                   const Shapes& s, float softmax_scale, std::vector<float>& scores, float* max, float* sum,
                   float* acc) {
   const int64_t n = t1 - t0, D = kD ? kD : s.D;
   scores.resize(s.H * n);
-  auto row_of = [&](const float* cache, int64_t t, int64_t kv_head) {
+  auto row_of = [&](const T* cache, int64_t t, int64_t kv_head) {
     return cache + blocks[t / s.block_size] * s.block_stride + (t % s.block_size) * s.token_stride + kv_head * D;
   };
   for (int64_t t = t0; t < t1; ++t) {
     prefetch_token(row_of, ks, t + kPrefetchTokens, t1, s.token_stride);
     for (int64_t kv_head = 0; kv_head < s.KVH; ++kv_head) {
-      const float* __restrict k = row_of(ks, t, kv_head);
+      float k_row[kD ? kD : kMaxHeadDim];
+      const float* __restrict k = row_as_float(row_of(ks, t, kv_head), k_row, D);
       for (int64_t g = 0; g < s.group; ++g) {
         const int64_t h = kv_head * s.group + g;
         const float* __restrict qh = q + h * D;
@@ -98,7 +100,8 @@ void attend_chunk(const float* q, const float* ks, const float* vs, const int64_
   for (int64_t t = t0; t < t1; ++t) {
     prefetch_token(row_of, vs, t + kPrefetchTokens, t1, s.token_stride);
     for (int64_t kv_head = 0; kv_head < s.KVH; ++kv_head) {
-      const float* __restrict v = row_of(vs, t, kv_head);
+      float v_row[kD ? kD : kMaxHeadDim];
+      const float* __restrict v = row_as_float(row_of(vs, t, kv_head), v_row, D);
       for (int64_t g = 0; g < s.group; ++g) {
         const int64_t h = kv_head * s.group + g;
         const float p = scores[h * n + (t - t0)];
@@ -116,9 +119,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                      const torch::Tensor& context_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == torch::kFloat32, "query must be float32 [B, H, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous(),
-              "k_cache must be contiguous float32 [blocks, block_size, kv_heads, D]");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(), "v_cache must match k_cache");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous(),
+              "k_cache must be contiguous [blocks, block_size, kv_heads, D] (float32, float16 or bfloat16)");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.is_contiguous(),
+              "v_cache must match k_cache");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
               "block_tables and context_lens must be int64");
   const auto q = query.contiguous();
@@ -127,6 +132,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2), max_blocks = tables.size(1);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head sizes do not fit");
+  TORCH_CHECK(D <= kMaxHeadDim, "head size ", D, " above ", kMaxHeadDim);
   TORCH_CHECK(lens.numel() == B && tables.size(0) == B, "one block table and context length per sequence");
   const Shapes shapes{H, KVH, D, H / KVH, block_size, KVH * D, block_size * KVH * D, max_blocks};
   const int64_t* table = tables.data_ptr<int64_t>();
@@ -143,19 +149,22 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const int64_t num_tasks = first_task[B];
   std::vector<float> chunk_max(num_tasks * H), chunk_sum(num_tasks * H), chunk_acc(num_tasks * H * D);
   const float* qs = q.data_ptr<float>();
-  const float* ks = k_cache.data_ptr<float>();
-  const float* vs = v_cache.data_ptr<float>();
   const float softmax_scale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task_sequence[task];
-      const int64_t t0 = (task - first_task[b]) * kChunkTokens, t1 = std::min(context[b], t0 + kChunkTokens);
-      const auto attend = D == 64 ? attend_chunk<64> : D == 128 ? attend_chunk<128> : attend_chunk<0>;
-      attend(qs + b * H * D, ks, vs, table + b * max_blocks, t0, t1, shapes, softmax_scale, scores,
-                   chunk_max.data() + task * H, chunk_sum.data() + task * H, chunk_acc.data() + task * H * D);
-    }
+  with_cache_type(k_cache, [&](auto element) {
+    using T = decltype(element);
+    const T* ks = cache_data<T>(k_cache);
+    const T* vs = cache_data<T>(v_cache);
+    at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task_sequence[task];
+        const int64_t t0 = (task - first_task[b]) * kChunkTokens, t1 = std::min(context[b], t0 + kChunkTokens);
+        const auto attend = D == 64 ? attend_chunk<64, T> : D == 128 ? attend_chunk<128, T> : attend_chunk<0, T>;
+        attend(qs + b * H * D, ks, vs, table + b * max_blocks, t0, t1, shapes, softmax_scale, scores,
+               chunk_max.data() + task * H, chunk_sum.data() + task * H, chunk_acc.data() + task * H * D);
+      }
+    });
   });
 
   // Merge: out = sum_i acc_i * exp(max_i - max) / sum_i sum_i * exp(max_i - max).

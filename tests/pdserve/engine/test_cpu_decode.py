@@ -79,6 +79,29 @@ def test_the_stack_decodes_what_the_module_path_decodes(tmp_path, monkeypatch, a
     assert module_calls[0] == 1  # the one prefill step (all three prompts in one chunk)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_the_stack_writes_and_reads_16_bit_caches_as_the_module_path_does(tmp_path, kv_cache_dtype):
+    folder = build_tiny_model(tmp_path)
+    modules = tiny_engine(folder, "int8", dtype=kv_cache_dtype)
+    modules.model_runner.decode_stack = None
+    expected_tokens, expected_logprobs = generate(modules)
+
+    engine = tiny_engine(folder, "int8", dtype=kv_cache_dtype)
+    stack = count_stack_calls(engine)
+    tokens, logprobs = generate(engine)
+
+    assert engine.model_runner.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
+    assert stack.calls == 11
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=5e-4)
+    # Both paths rounded every K and V row alike (round to nearest even), so the caches match.
+    # (A last-bit difference between the two paths' float32 norm and rotary code may still move
+    # a value by one 16-bit step.)
+    for stack_caches, module_caches in zip(engine.model_runner.kv_caches, modules.model_runner.kv_caches):
+        for from_stack, from_modules in zip(stack_caches, module_caches):
+            torch.testing.assert_close(from_stack.float(), from_modules.float(), rtol=0, atol=0.02)
+
+
 def test_steps_with_a_prefill_chunk_keep_the_module_path(tmp_path):
     engine = tiny_engine(build_tiny_model(tmp_path), "int8")
     stack = count_stack_calls(engine)
