@@ -40,7 +40,9 @@ class EngineOptions(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     model: str = Field(DEFAULT_MODEL, description=MODEL_HELP)
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(EngineConfig.dtype, description="weights and KV cache")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        EngineConfig.dtype, description="weights and activations; the KV cache too unless --kv-cache-dtype"
+    )
     device: str = Field(EngineConfig.device, description="torch device")
     attention_backend: Literal["torch", "cpu", "triton"] = Field(
         EngineConfig.attention_backend,

@@ -25,8 +25,8 @@ from pdserve.engine.kv_cache import allocate_kv_caches
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM = 2, 8, 4, 2, 8
 
 
-def caches(fill: float | None = None):
-    kv = allocate_kv_caches(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM, torch.float32, "cpu")
+def caches(fill: float | None = None, dtype: torch.dtype = torch.float32):
+    kv = allocate_kv_caches(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM, dtype, "cpu")
     if fill is not None:
         for k, v in kv:
             k.copy_(torch.randn_like(k))

@@ -8,6 +8,7 @@ from multiprocessing import shared_memory
 
 import grpc
 import pytest
+import torch
 
 from kvtransfer.base import KvCommit, KvDestination, KvReceiver, TransferError, TransferStatus
 from kvtransfer.grpc_transport import GrpcKvSender, GrpcKvStream, KvTransferServicer
@@ -37,6 +38,30 @@ def test_grpc_stream_delivers_every_page():
             assert (await receiver.wait("r")).first_token_id == 9
             with pytest.raises(TransferError, match="unknown request"):
                 await push_every_layer(sender, KvDestination(address), source, [1], KvCommit("nobody", 9))
+        finally:
+            await sender.close()
+            await server.stop(0)
+
+    asyncio.run(main())
+    assert_copied(source, target, [1, 2], [4, 6])
+
+
+def test_grpc_stream_carries_16_bit_caches_and_refuses_a_dtype_the_receiver_does_not_hold():
+    # --kv-cache-dtype float16 on both nodes: pages travel bit for bit. A prefill node started
+    # without it (float32 pages) fails its transfer instead of corrupting the decode node's cache.
+    source, target = caches(fill=1.0, dtype=torch.float16), caches(dtype=torch.float16)
+
+    async def main():
+        receiver = KvReceiver(target)
+        server, address = await serve_receiver(receiver)
+        sender = GrpcKvSender()
+        try:
+            receiver.reserve("r", [4, 6])
+            await push_every_layer(sender, KvDestination(address), source, [1, 2], KvCommit("r", 9))
+            assert receiver.status("r") == TransferStatus.DONE
+            receiver.reserve("float32", [0])
+            with pytest.raises(TransferError, match="dtype float32, expected float16"):
+                await push_every_layer(sender, KvDestination(address), caches(fill=1.0), [1], KvCommit("float32", 9))
         finally:
             await sender.close()
             await server.stop(0)
