@@ -36,8 +36,8 @@ inline void in_register(T& v) {
 }
 
 // A KV cache element of each dtype the caches hold (--kv-cache-dtype), read as float: 16-bit caches
-// halve the bytes a decode step's attention reads. The loops over them vectorize (gcc: F16C's
-// vcvtph2ps for float16; a shift for bfloat16).
+// halve the bytes a decode step's attention reads. bfloat16 is the high half of a float32 (a shift
+// in a vectorized loop); float16 rows go through row_as_float below.
 using Half = _Float16;
 struct BFloat16 {
   uint16_t bits;

@@ -132,7 +132,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2), max_blocks = tables.size(1);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head sizes do not fit");
-  TORCH_CHECK(D <= kMaxHeadDim, "head size ", D, " above ", kMaxHeadDim);
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || D <= kMaxHeadDim, "a 16-bit cache's head size is at most ",
+              kMaxHeadDim, ", not ", D);
   TORCH_CHECK(lens.numel() == B && tables.size(0) == B, "one block table and context length per sequence");
   const Shapes shapes{H, KVH, D, H / KVH, block_size, KVH * D, block_size * KVH * D, max_blocks};
   const int64_t* table = tables.data_ptr<int64_t>();
