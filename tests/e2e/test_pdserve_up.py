@@ -1,6 +1,8 @@
 """The real default model through `pdserve up` (embedded Redis, 1 prefill + 1 decode, gateway),
-its decode node streaming 4 tokens per chunk (`--stream-interval 4`; the other end-to-end
-tests stream one token per chunk, the default)."""
+with two non-default flags the other end-to-end tests leave at their defaults: the decode node
+streams 4 tokens per chunk (`--stream-interval 4`), and both nodes keep a float16 KV cache under
+the float32 weights (`--kv-cache-dtype float16`: the prefill node's pages reach the decode node
+in float16, and its decode steps read them so)."""
 
 from __future__ import annotations
 
@@ -22,10 +24,16 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def base_url():
+def log_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pdserve-up-logs")
+
+
+@pytest.fixture(scope="module")
+def base_url(log_dir):
     port = free_port()
+    flags = ["--stream-interval", "4", "--kv-cache-dtype", "float16", "--log-dir", str(log_dir)]
     process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--stream-interval", "4"],
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), *flags],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -74,3 +82,9 @@ def test_completion_with_a_stop_string(base_url):
     tokens = scored.choices[0].logprobs.tokens
     num_up_to_stop = next(n for n in range(1, len(tokens) + 1) if " 7" in "".join(tokens[:n]))
     assert stopped.usage.completion_tokens == num_up_to_stop < len(tokens)
+
+
+def test_both_nodes_keep_a_float16_kv_cache(base_url, log_dir):
+    for node in ("prefill-0", "decode-0"):
+        log = (log_dir / f"{node}.log").read_text()
+        assert "KV cache:" in log and "tokens (float16)" in log, log[-2000:]
