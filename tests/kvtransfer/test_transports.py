@@ -24,25 +24,35 @@ async def serve_receiver(receiver: KvReceiver) -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-def test_grpc_stream_delivers_every_page():
-    source, target = caches(fill=1.0), caches()
+def over_grpc(target, body) -> None:
+    """Runs `await body(receiver, sender, destination)` against a receiver over `target` behind a
+    real gRPC server, and closes both however it ends."""
 
     async def main():
         receiver = KvReceiver(target)
         server, address = await serve_receiver(receiver)
         sender = GrpcKvSender()
         try:
-            receiver.reserve("r", [4, 6])
-            await push_every_layer(sender, KvDestination(address), source, [1, 2], KvCommit("r", 9))
-            assert receiver.status("r") == TransferStatus.DONE
-            assert (await receiver.wait("r")).first_token_id == 9
-            with pytest.raises(TransferError, match="unknown request"):
-                await push_every_layer(sender, KvDestination(address), source, [1], KvCommit("nobody", 9))
+            await body(receiver, sender, KvDestination(address))
         finally:
             await sender.close()
             await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_grpc_stream_delivers_every_page():
+    source, target = caches(fill=1.0), caches()
+
+    async def body(receiver, sender, destination):
+        receiver.reserve("r", [4, 6])
+        await push_every_layer(sender, destination, source, [1, 2], KvCommit("r", 9))
+        assert receiver.status("r") == TransferStatus.DONE
+        assert (await receiver.wait("r")).first_token_id == 9
+        with pytest.raises(TransferError, match="unknown request"):
+            await push_every_layer(sender, destination, source, [1], KvCommit("nobody", 9))
+
+    over_grpc(target, body)
     assert_copied(source, target, [1, 2], [4, 6])
 
 
@@ -51,22 +61,15 @@ def test_grpc_stream_carries_16_bit_caches_and_refuses_a_dtype_the_receiver_does
     # without it (float32 pages) fails its transfer instead of corrupting the decode node's cache.
     source, target = caches(fill=1.0, dtype=torch.float16), caches(dtype=torch.float16)
 
-    async def main():
-        receiver = KvReceiver(target)
-        server, address = await serve_receiver(receiver)
-        sender = GrpcKvSender()
-        try:
-            receiver.reserve("r", [4, 6])
-            await push_every_layer(sender, KvDestination(address), source, [1, 2], KvCommit("r", 9))
-            assert receiver.status("r") == TransferStatus.DONE
-            receiver.reserve("float32", [0])
-            with pytest.raises(TransferError, match="dtype float32, expected float16"):
-                await push_every_layer(sender, KvDestination(address), caches(fill=1.0), [1], KvCommit("float32", 9))
-        finally:
-            await sender.close()
-            await server.stop(0)
+    async def body(receiver, sender, destination):
+        receiver.reserve("r", [4, 6])
+        await push_every_layer(sender, destination, source, [1, 2], KvCommit("r", 9))
+        assert receiver.status("r") == TransferStatus.DONE
+        receiver.reserve("float32", [0])
+        with pytest.raises(TransferError, match="dtype float32, expected float16"):
+            await push_every_layer(sender, destination, caches(fill=1.0), [1], KvCommit("float32", 9))
 
-    asyncio.run(main())
+    over_grpc(target, body)
     assert_copied(source, target, [1, 2], [4, 6])
 
 

@@ -15,13 +15,10 @@ import torch
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend, _PaddedGroup
 from pdserve.engine.cpu_kernels import cpu_kernels
 
-# The caches the kernel reads (--kv-cache-dtype): 16-bit ones are converted to float32 as they are read.
-KERNEL_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 class CpuAttentionBackend(TorchAttentionBackend):
     def _decode(self, query, k_cache, v_cache, group: _PaddedGroup) -> torch.Tensor:
-        if query.device.type != "cpu" or query.dtype != torch.float32 or k_cache.dtype not in KERNEL_CACHE_DTYPES:
+        if query.device.type != "cpu" or query.dtype != torch.float32:
             return super()._decode(query, k_cache, v_cache, group)
         return cpu_kernels().paged_decode_attention(
             query, k_cache, v_cache, group.block_table, group.context_lens, self.scale

@@ -43,7 +43,6 @@ struct BFloat16 {
   uint16_t bits;
 };
 
-inline float to_float(float x) { return x; }
 inline float to_float(Half x) { return static_cast<float>(x); }
 inline float to_float(BFloat16 x) {
   const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
