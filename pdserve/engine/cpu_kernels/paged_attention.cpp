@@ -10,6 +10,13 @@
 // kernel moved 8.5 GB/s of useful bytes. Splitting the context also keeps both cores busy on a
 // single long sequence.
 //
+// Head sizes of 64 and 128 take attend_chunk_vectorized: a chunk's rows are located (or, for a
+// 16-bit cache, converted) once per KV head, each query head scores a vector's width of tokens
+// at a time with one transposed reduction for all their dot products, and its output sums stay
+// in registers across the chunk. Per dot product the first version (kept for other head sizes)
+// did a horizontal sum, and read and wrote its output sums back per token: at batch 32 x 300
+// tokens on a 2-core Xeon it ran a layer in 1.13 ms (float32 cache, cold), this one in 0.78.
+//
 // query [B, H, D], k_cache / v_cache [num_blocks, block_size, KVH, D] (float32, contiguous),
 // block_tables [B, max_blocks] int64, context_lens [B] int64 -> out [B, H, D]
 #include "kernels.h"
@@ -61,13 +68,13 @@ struct Shapes {
 // One chunk [t0, t1) of sequence b: per head, the chunk's max score, the sum of exp(score - max)
 // and the sum of exp(score - max) * v, into `max`, `sum` [H] and `acc` [H, D]. KV head by KV
 // head, so that a group's query rows and output sums stay in registers while the chunk's rows
-// (a few tens of KB) are read from cache after the first head. kD is the head size when known
-// at compile time (the loops then unroll fully), else 0 and s.D is used. T: the caches' element type.
-template <int64_t kD, typename T>
+// (a few tens of KB) are read from cache after the first head. T: the caches' element type. For
+// head sizes without a vectorized version, and builds without AVX2.
+template <typename T>
 void attend_chunk(const float* q, const T* ks, const T* vs, const int64_t* blocks, int64_t t0, int64_t t1,
                   const Shapes& s, float softmax_scale, std::vector<float>& scores, float* max, float* sum,
                   float* acc) {
-  const int64_t n = t1 - t0, D = kD ? kD : s.D;
+  const int64_t n = t1 - t0, D = s.D;
   scores.resize(s.H * n);
   auto row_of = [&](const T* cache, int64_t t, int64_t kv_head) {
     return cache + blocks[t / s.block_size] * s.block_stride + (t % s.block_size) * s.token_stride + kv_head * D;
@@ -75,7 +82,7 @@ void attend_chunk(const float* q, const T* ks, const T* vs, const int64_t* block
   for (int64_t t = t0; t < t1; ++t) {
     prefetch_token(row_of, ks, t + kPrefetchTokens, t1, s.token_stride);
     for (int64_t kv_head = 0; kv_head < s.KVH; ++kv_head) {
-      float k_row[kD ? kD : kMaxHeadDim];
+      float k_row[kMaxHeadDim];
       const float* __restrict k = row_as_float(row_of(ks, t, kv_head), k_row, D);
       for (int64_t g = 0; g < s.group; ++g) {
         const int64_t h = kv_head * s.group + g;
@@ -100,7 +107,7 @@ void attend_chunk(const float* q, const T* ks, const T* vs, const int64_t* block
   for (int64_t t = t0; t < t1; ++t) {
     prefetch_token(row_of, vs, t + kPrefetchTokens, t1, s.token_stride);
     for (int64_t kv_head = 0; kv_head < s.KVH; ++kv_head) {
-      float v_row[kD ? kD : kMaxHeadDim];
+      float v_row[kMaxHeadDim];
       const float* __restrict v = row_as_float(row_of(vs, t, kv_head), v_row, D);
       for (int64_t g = 0; g < s.group; ++g) {
         const int64_t h = kv_head * s.group + g;
@@ -112,6 +119,138 @@ void attend_chunk(const float* q, const T* ks, const T* vs, const int64_t* block
     }
   }
 }
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// Float vectors of the widest kind this build has. `sum_each` is the transposed reduction: from
+// kLanes vectors of a dot product's partial sums, one vector of their kLanes totals, a level of
+// shuffles and adds per halving (45 instructions for 16 dot products on AVX-512, where a
+// horizontal sum per dot product took about 8 each and serialized on its adds).
+struct FloatVec {
+#if defined(__AVX512F__)
+  static constexpr int64_t kLanes = 16;
+  using V = __m512;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V broadcast(float x) { return _mm512_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V sum_each(const V* p) {
+    V pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; ++i) {  // per 128-bit lane: two vectors' lanes {0, 2} and {1, 3} summed, interleaved
+      pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+    }
+    for (int i = 0; i < 4; ++i) {  // per 128-bit lane: four vectors' sums over that lane
+      const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+      quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; ++i) {  // then the 128-bit lanes of each quad, two by two
+      halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+#else
+  static constexpr int64_t kLanes = 8;
+  using V = __m256;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V broadcast(float x) { return _mm256_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V sum_each(const V* p) {
+    V pairs[4], quads[2];
+    for (int i = 0; i < 4; ++i) {
+      pairs[i] = _mm256_add_ps(_mm256_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm256_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+    }
+    for (int i = 0; i < 2; ++i) {
+      const __m256d a = _mm256_castps_pd(pairs[2 * i]), b = _mm256_castps_pd(pairs[2 * i + 1]);
+      quads[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                         _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+  }
+#endif
+};
+
+// The chunk's rows of one cache as float32, [KVH][kChunkTokens] pointers: into the cache itself
+// for a float32 cache, else into `converted` (each 16-bit row converted once, then read by every
+// query head of its group). Whole token rows in order, prefetched ahead as in attend_chunk.
+template <int64_t kD, typename T>
+void chunk_rows(const T* cache, const int64_t* blocks, int64_t t0, int64_t t1, const Shapes& s, const float** rows,
+                std::vector<float>& converted) {
+  if constexpr (!std::is_same_v<T, float>) converted.resize(s.KVH * kChunkTokens * kD);
+  auto row_of = [&](const T* c, int64_t t, int64_t kv_head) {
+    return c + blocks[t / s.block_size] * s.block_stride + (t % s.block_size) * s.token_stride + kv_head * kD;
+  };
+  for (int64_t t = t0; t < t1; ++t) {
+    prefetch_token(row_of, cache, t + kPrefetchTokens, t1, s.token_stride);
+    for (int64_t kv_head = 0; kv_head < s.KVH; ++kv_head) {
+      float* scratch = nullptr;
+      if constexpr (!std::is_same_v<T, float>) scratch = converted.data() + (kv_head * kChunkTokens + t - t0) * kD;
+      rows[kv_head * kChunkTokens + t - t0] = row_as_float(row_of(cache, t, kv_head), scratch, kD);
+    }
+  }
+}
+
+// attend_chunk for head sizes that are whole vectors: a query head's scores kLanes tokens at a
+// time (kLanes dot products, then one transposed reduction), and its output sums kept in
+// registers across the chunk's tokens instead of read and written back per token.
+template <int64_t kD, typename T>
+void attend_chunk_vectorized(const float* q, const T* ks, const T* vs, const int64_t* blocks, int64_t t0, int64_t t1,
+                             const Shapes& s, float softmax_scale, std::vector<float>& scores,
+                             std::vector<const float*>& rows, std::vector<float>& converted, float* max, float* sum,
+                             float* acc) {
+  using Vec = FloatVec;
+  constexpr int64_t kLanes = Vec::kLanes, kVectors = kD / kLanes;
+  static_assert(kD % kLanes == 0, "a head is a whole number of vectors");
+  const int64_t n = t1 - t0;
+  scores.resize(s.H * n);
+  rows.resize(s.KVH * kChunkTokens);
+  chunk_rows<kD>(ks, blocks, t0, t1, s, rows.data(), converted);
+  const typename Vec::V scale = Vec::broadcast(softmax_scale);
+  for (int64_t h = 0; h < s.H; ++h) {
+    const float* const* keys = rows.data() + (h / s.group) * kChunkTokens;
+    typename Vec::V query[kVectors];
+    for (int64_t j = 0; j < kVectors; ++j) query[j] = Vec::load(q + h * kD + j * kLanes);
+    for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+      typename Vec::V partial[kLanes];
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const float* k = keys[std::min(i0 + i, n - 1)];  // past the chunk's end: a real row, result unused
+        typename Vec::V dot = Vec::mul(query[0], Vec::load(k));
+        for (int64_t j = 1; j < kVectors; ++j) dot = Vec::fmadd(query[j], Vec::load(k + j * kLanes), dot);
+        partial[i] = dot;
+      }
+      float tile[kLanes];
+      Vec::store(tile, Vec::mul(Vec::sum_each(partial), scale));
+      std::copy(tile, tile + std::min(kLanes, n - i0), scores.data() + h * n + i0);
+    }
+  }
+  for (int64_t h = 0; h < s.H; ++h) {
+    float* row = scores.data() + h * n;
+    const float peak = *std::max_element(row, row + n);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < n; ++i) total += (row[i] = softmax_exp(row[i] - peak));
+    max[h] = peak;
+    sum[h] = total;
+  }
+  chunk_rows<kD>(vs, blocks, t0, t1, s, rows.data(), converted);
+  for (int64_t h = 0; h < s.H; ++h) {
+    const float* const* values = rows.data() + (h / s.group) * kChunkTokens;
+    const float* p = scores.data() + h * n;
+    typename Vec::V out[kVectors];
+    for (int64_t j = 0; j < kVectors; ++j) out[j] = Vec::zero();
+    for (int64_t i = 0; i < n; ++i) {
+      const typename Vec::V weight = Vec::broadcast(p[i]);
+      for (int64_t j = 0; j < kVectors; ++j) out[j] = Vec::fmadd(weight, Vec::load(values[i] + j * kLanes), out[j]);
+    }
+    for (int64_t j = 0; j < kVectors; ++j) Vec::store(acc + h * kD + j * kLanes, out[j]);
+  }
+}
+#endif
 
 }  // namespace
 
@@ -157,13 +296,23 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
     const T* ks = cache_data<T>(k_cache);
     const T* vs = cache_data<T>(v_cache);
     at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
+      std::vector<float> scores, converted;
+      std::vector<const float*> rows;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task_sequence[task];
         const int64_t t0 = (task - first_task[b]) * kChunkTokens, t1 = std::min(context[b], t0 + kChunkTokens);
-        const auto attend = D == 64 ? attend_chunk<64, T> : D == 128 ? attend_chunk<128, T> : attend_chunk<0, T>;
-        attend(qs + b * H * D, ks, vs, table + b * max_blocks, t0, t1, shapes, softmax_scale, scores,
-               chunk_max.data() + task * H, chunk_sum.data() + task * H, chunk_acc.data() + task * H * D);
+        float *max = chunk_max.data() + task * H, *sum = chunk_sum.data() + task * H;
+        float* acc = chunk_acc.data() + task * H * D;
+        const float* qb = qs + b * H * D;
+        const int64_t* blocks = table + b * max_blocks;
+#if defined(__AVX512F__) || defined(__AVX2__)
+        if (D == 64 || D == 128) {
+          const auto attend = D == 64 ? attend_chunk_vectorized<64, T> : attend_chunk_vectorized<128, T>;
+          attend(qb, ks, vs, blocks, t0, t1, shapes, softmax_scale, scores, rows, converted, max, sum, acc);
+          continue;
+        }
+#endif
+        attend_chunk<T>(qb, ks, vs, blocks, t0, t1, shapes, softmax_scale, scores, max, sum, acc);
       }
     });
   });

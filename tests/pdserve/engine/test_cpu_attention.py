@@ -65,20 +65,21 @@ def test_in_place_decode_attention_equals_the_torch_backend(
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
-def test_16_bit_caches_are_read_in_place_as_the_torch_backend_reads_them(cache_dtype):
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
+def test_16_bit_caches_are_read_in_place_as_the_torch_backend_reads_them(cache_dtype, num_heads, num_kv_heads, head_dim):
     # --kv-cache-dtype under float32 activations: both backends store the new K and V rounded,
     # and read the cache back as float32.
-    layout, (q, k, v), cache = decode_batch([16, 17, 300, 1], 9, 3, 16, 64)
+    layout, (q, k, v), cache = decode_batch([16, 17, 300, 1], num_heads, num_kv_heads, 16, head_dim)
     outputs, caches = [], []
     for name in ("torch", "cpu"):
-        backend = get_attention_backend(name, 9, 3, 64)
+        backend = get_attention_backend(name, num_heads, num_kv_heads, head_dim)
         cache_copy = tuple(c.to(cache_dtype) for c in cache)
         outputs.append(backend.forward(q, k, v, cache_copy, backend.prepare(layout)))
         caches.append(cache_copy)
     assert outputs[1].dtype == torch.float32
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
     slots = layout.slot_mapping
-    written = caches[1][0].view(-1, 3, 64)[slots]
+    written = caches[1][0].view(-1, num_kv_heads, head_dim)[slots]
     assert written.dtype == cache_dtype and torch.equal(written, k.to(cache_dtype))
 
 
