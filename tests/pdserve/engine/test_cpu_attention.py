@@ -66,7 +66,9 @@ def test_in_place_decode_attention_equals_the_torch_backend(
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
-def test_16_bit_caches_are_read_in_place_as_the_torch_backend_reads_them(cache_dtype, num_heads, num_kv_heads, head_dim):
+def test_16_bit_caches_are_read_in_place_as_the_torch_backend_reads_them(
+    cache_dtype, num_heads, num_kv_heads, head_dim
+):
     # --kv-cache-dtype under float32 activations: both backends store the new K and V rounded,
     # and read the cache back as float32.
     layout, (q, k, v), cache = decode_batch([16, 17, 300, 1], num_heads, num_kv_heads, 16, head_dim)
