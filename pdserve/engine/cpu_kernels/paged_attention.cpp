@@ -55,16 +55,36 @@ inline float softmax_exp(float x) {
 // for the hardware prefetcher.
 constexpr int64_t kPrefetchTokens = 4;
 
-template <typename T, typename RowOf>
-inline void prefetch_token(const RowOf& row_of, const T* cache, int64_t t, int64_t end, int64_t token_stride) {
-  if (t >= end) return;
-  const T* row = row_of(cache, t, 0);
-  for (int64_t i = 0; i < token_stride; i += 64 / sizeof(T)) __builtin_prefetch(row + i);
-}
-
 struct Shapes {
   int64_t H, KVH, D, group, block_size, token_stride, block_stride, max_blocks;
 };
+
+// Where the row of KV head `kv_head` at position t of a sequence lies (its blocks: `blocks`).
+template <typename T>
+inline const T* kv_row(const T* cache, const int64_t* blocks, int64_t t, int64_t kv_head, const Shapes& s) {
+  return cache + blocks[t / s.block_size] * s.block_stride + (t % s.block_size) * s.token_stride + kv_head * s.D;
+}
+
+// Brings the whole token row at position t ahead of use (nothing past `end`).
+template <typename T>
+inline void prefetch_token(const T* cache, const int64_t* blocks, int64_t t, int64_t end, const Shapes& s) {
+  if (t >= end) return;
+  const T* row = kv_row(cache, blocks, t, 0, s);
+  for (int64_t i = 0; i < s.token_stride; i += 64 / sizeof(T)) __builtin_prefetch(row + i);
+}
+
+// Per head, the chunk's n scores (rows of `scores`) become exp(score - max), with that max and their sum.
+inline void chunk_softmax(float* scores, int64_t H, int64_t n, float* max, float* sum) {
+  for (int64_t h = 0; h < H; ++h) {
+    float* row = scores + h * n;
+    const float peak = *std::max_element(row, row + n);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < n; ++i) total += (row[i] = softmax_exp(row[i] - peak));
+    max[h] = peak;
+    sum[h] = total;
+  }
+}
 
 // One chunk [t0, t1) of sequence b: per head, the chunk's max score, the sum of exp(score - max)
 // and the sum of exp(score - max) * v, into `max`, `sum` [H] and `acc` [H, D]. KV head by KV
@@ -77,14 +97,11 @@ void attend_chunk(const float* q, const T* ks, const T* vs, const int64_t* block
                   float* acc) {
   const int64_t n = t1 - t0, D = s.D;
   scores.resize(s.H * n);
-  auto row_of = [&](const T* cache, int64_t t, int64_t kv_head) {
-    return cache + blocks[t / s.block_size] * s.block_stride + (t % s.block_size) * s.token_stride + kv_head * D;
-  };
   for (int64_t t = t0; t < t1; ++t) {
-    prefetch_token(row_of, ks, t + kPrefetchTokens, t1, s.token_stride);
+    prefetch_token(ks, blocks, t + kPrefetchTokens, t1, s);
     for (int64_t kv_head = 0; kv_head < s.KVH; ++kv_head) {
       float k_row[kMaxHeadDim];
-      const float* __restrict k = row_as_float(row_of(ks, t, kv_head), k_row, D);
+      const float* __restrict k = row_as_float(kv_row(ks, blocks, t, kv_head, s), k_row, D);
       for (int64_t g = 0; g < s.group; ++g) {
         const int64_t h = kv_head * s.group + g;
         const float* __restrict qh = q + h * D;
@@ -95,21 +112,13 @@ void attend_chunk(const float* q, const T* ks, const T* vs, const int64_t* block
       }
     }
   }
-  for (int64_t h = 0; h < s.H; ++h) {
-    float* row = scores.data() + h * n;
-    const float peak = *std::max_element(row, row + n);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < n; ++i) total += (row[i] = softmax_exp(row[i] - peak));
-    max[h] = peak;
-    sum[h] = total;
-  }
+  chunk_softmax(scores.data(), s.H, n, max, sum);
   std::fill(acc, acc + s.H * D, 0.f);
   for (int64_t t = t0; t < t1; ++t) {
-    prefetch_token(row_of, vs, t + kPrefetchTokens, t1, s.token_stride);
+    prefetch_token(vs, blocks, t + kPrefetchTokens, t1, s);
     for (int64_t kv_head = 0; kv_head < s.KVH; ++kv_head) {
       float v_row[kMaxHeadDim];
-      const float* __restrict v = row_as_float(row_of(vs, t, kv_head), v_row, D);
+      const float* __restrict v = row_as_float(kv_row(vs, blocks, t, kv_head, s), v_row, D);
       for (int64_t g = 0; g < s.group; ++g) {
         const int64_t h = kv_head * s.group + g;
         const float p = scores[h * n + (t - t0)];
@@ -121,7 +130,12 @@ void attend_chunk(const float* q, const T* ks, const T* vs, const int64_t* block
   }
 }
 
+// attend_chunk_vectorized needs a build with AVX-512, or AVX2 and F16C.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+#define PDSERVE_VECTORIZED_ATTENTION 1
+#endif
+
+#ifdef PDSERVE_VECTORIZED_ATTENTION
 // Float vectors of the widest kind this build has. `sum_each` is the transposed reduction: from
 // kLanes vectors of a dot product's partial sums, one vector of their kLanes totals, a level of
 // shuffles and adds per halving (45 instructions for 16 dot products on AVX-512, where a
@@ -189,14 +203,13 @@ struct FloatVec {
 
 // Where the chunk's rows of one cache lie, [KVH][kChunkTokens]: read in place by the vector loads
 // (a 16-bit row converts as it loads). Whole token rows are prefetched in order, as in attend_chunk.
-template <int64_t kD, typename T>
+template <typename T>
 void chunk_rows(const T* cache, const int64_t* blocks, int64_t t0, int64_t t1, const Shapes& s, const T** rows) {
-  auto row_of = [&](const T* c, int64_t t, int64_t kv_head) {
-    return c + blocks[t / s.block_size] * s.block_stride + (t % s.block_size) * s.token_stride + kv_head * kD;
-  };
   for (int64_t t = t0; t < t1; ++t) {
-    prefetch_token(row_of, cache, t + kPrefetchTokens, t1, s.token_stride);
-    for (int64_t kv_head = 0; kv_head < s.KVH; ++kv_head) rows[kv_head * kChunkTokens + t - t0] = row_of(cache, t, kv_head);
+    prefetch_token(cache, blocks, t + kPrefetchTokens, t1, s);
+    for (int64_t kv_head = 0; kv_head < s.KVH; ++kv_head) {
+      rows[kv_head * kChunkTokens + t - t0] = kv_row(cache, blocks, t, kv_head, s);
+    }
   }
 }
 
@@ -213,7 +226,7 @@ void attend_chunk_vectorized(const float* q, const T* ks, const T* vs, const int
   const int64_t n = t1 - t0;
   scores.resize(s.H * n);
   rows.resize(s.KVH * kChunkTokens);
-  chunk_rows<kD>(ks, blocks, t0, t1, s, rows.data());
+  chunk_rows(ks, blocks, t0, t1, s, rows.data());
   const typename Vec::V scale = Vec::broadcast(softmax_scale);
   for (int64_t h = 0; h < s.H; ++h) {
     const T* const* keys = rows.data() + (h / s.group) * kChunkTokens;
@@ -232,16 +245,8 @@ void attend_chunk_vectorized(const float* q, const T* ks, const T* vs, const int
       std::copy(tile, tile + std::min(kLanes, n - i0), scores.data() + h * n + i0);
     }
   }
-  for (int64_t h = 0; h < s.H; ++h) {
-    float* row = scores.data() + h * n;
-    const float peak = *std::max_element(row, row + n);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < n; ++i) total += (row[i] = softmax_exp(row[i] - peak));
-    max[h] = peak;
-    sum[h] = total;
-  }
-  chunk_rows<kD>(vs, blocks, t0, t1, s, rows.data());
+  chunk_softmax(scores.data(), s.H, n, max, sum);
+  chunk_rows(vs, blocks, t0, t1, s, rows.data());
   for (int64_t h = 0; h < s.H; ++h) {
     const T* const* values = rows.data() + (h / s.group) * kChunkTokens;
     const float* p = scores.data() + h * n;
@@ -309,7 +314,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
         float* acc = chunk_acc.data() + task * H * D;
         const float* qb = qs + b * H * D;
         const int64_t* blocks = table + b * max_blocks;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+#ifdef PDSERVE_VECTORIZED_ATTENTION
         if (D == 64 || D == 128) {
           const auto attend = D == 64 ? attend_chunk_vectorized<64, T> : attend_chunk_vectorized<128, T>;
           attend(qb, ks, vs, blocks, t0, t1, shapes, softmax_scale, scores, rows, max, sum, acc);
