@@ -18,7 +18,9 @@ from tests.faults.helpers import wait_until_drained
 
 pytestmark = pytest.mark.timeout(300)
 
-NUM_REQUESTS = 24
+NUM_IN_FLIGHT = 24
+# Bounds the load: new requests start only until the kill, and never more than this.
+MAX_REQUESTS = 240
 MAX_TOKENS = 16
 
 
@@ -70,14 +72,31 @@ def stays_busy(cluster, node_id: str, num_checks: int = 2, interval_s: float = 0
     return True
 
 
+async def keep_prefill_nodes_busy(client: httpx.AsyncClient, model: str, killed: asyncio.Event) -> list[httpx.Response]:
+    """Keeps NUM_IN_FLIGHT requests going until the kill, then waits for them all.
+
+    A single burst drained in about a second on a fast CI machine, so a freeze that missed
+    once found no busy prefill node left to try again on.
+    """
+    requests: list[asyncio.Task] = []
+    while not killed.is_set() and len(requests) < MAX_REQUESTS:
+        if sum(not task.done() for task in requests) < NUM_IN_FLIGHT:
+            requests.append(asyncio.create_task(completion(client, model, len(requests))))
+        else:
+            await asyncio.sleep(0.01)
+    return await asyncio.gather(*requests)
+
+
 def test_killing_a_prefill_node_under_load_fails_no_request(cluster):
     async def load_then_kill() -> tuple[str, list[httpx.Response]]:
         async with httpx.AsyncClient(base_url=cluster.base_url, timeout=120) as client:
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
-            requests = [asyncio.create_task(completion(client, model, i)) for i in range(NUM_REQUESTS)]
+            killed = asyncio.Event()
+            load = asyncio.create_task(keep_prefill_nodes_busy(client, model, killed))
             victim = await asyncio.to_thread(freeze_a_busy_prefill_node, cluster)
             cluster.send_signal(victim, signal.SIGKILL)
-            return victim, await asyncio.gather(*requests)
+            killed.set()
+            return victim, await load
 
     victim, responses = asyncio.run(load_then_kill())
     failures = [r.text for r in responses if r.status_code != 200]
