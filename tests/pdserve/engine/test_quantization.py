@@ -179,6 +179,41 @@ def test_int8_rows_with_a_non_finite_entry_give_non_finite_outputs_and_leave_the
     torch.testing.assert_close(torch.cat([y[:6], y[7:]]), exact, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(("out_features", "in_features"), [(97, 128), (8, 96), (5, 1536)])  # 96: an odd group count
+def test_one_row_int4_multiplies_in_integers_close_to_its_dequantized_weights(out_features, in_features):
+    """Batch 1 rounds x to int16 and multiplies the nibbles in integers; the low terms take the
+    rounded x's group sums, so the error is that of the rounding alone (as for int8), with tails
+    of fewer than four weight rows."""
+    torch.manual_seed(4)
+    quantized = Int4Linear(torch.randn(out_features, in_features), None)
+    x = torch.randn(1, in_features) + 0.5  # not centred: the nibbles' products do not cancel
+    exact = torch.nn.functional.linear(x, quantized.dequantized())
+    assert (quantized(x) - exact).norm() / exact.norm() < 1e-4  # int16 activations: up to 3e-5 of the largest
+
+
+def test_one_row_int4_products_are_exact_at_the_extremes():
+    """The largest activations against the largest nibbles over many inputs: each group's products
+    are exact in int32, and the groups add up in float."""
+    in_features = 4096 + 32
+    q = torch.full((4, in_features), 15, dtype=torch.int32)
+    q[:, ::32] = 0  # each group spans [low, low + 15 * scale]
+    scale, low = torch.full((4, in_features // 32), 0.25), torch.full((4, in_features // 32), -1.0)
+    weight = int4_dequantize(q, scale, low)
+    x = torch.full((1, in_features), 3.0)
+    y = Int4Linear(weight, None)(x)
+    exact = torch.nn.functional.linear(x.double(), weight.double()).float()
+    torch.testing.assert_close(y, exact, rtol=1e-5, atol=0)  # groups add up in float; an overflow would be ~1e4x off
+
+
+def test_one_row_int4_propagates_non_finite_inputs():
+    torch.manual_seed(5)
+    quantized = Int4Linear(torch.randn(8, 128), None)
+    x = torch.randn(1, 128)
+    x[0, 70] = float("inf")
+    assert not quantized(x).isfinite().any()
+    assert not quantized(torch.zeros(1, 128)).any()
+
+
 def test_int4_packing_round_trips_and_matches_the_kernels_layout():
     q = torch.randint(0, 16, (8, 64), dtype=torch.int32)
     packed = int4_pack(q)
