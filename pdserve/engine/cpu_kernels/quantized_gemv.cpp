@@ -5,8 +5,8 @@
 // as it streams them; several rows (a decode batch) convert each weight row once into a buffer
 // that every row of x then reads (4-5x faster at 8 rows). The float loops are written for the
 // compiler's vectorizer (-O3 -march=native, OpenMP simd pragmas); int8 on AVX2 and AVX-512 CPUs
-// runs in integers instead (int8_linear_integer, below), and so does int4 at batch 1
-// (int4_linear_integer). All split the output rows over torch's threads.
+// runs in integers instead (int8_linear_integer, below), and so does int4 (int4_linear_integer).
+// All split the output rows over torch's threads.
 //
 // int8:  q [N, K] int8, scale [N]             w[n, k] = q[n, k] * scale[n]
 // int4:  packed [N, K / 2] uint8, groups of 32 input channels; in group g of row n, byte j
@@ -375,7 +375,8 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
   return y;
 }
 
-// The int4 counterpart of int8_linear_batched: each weight row is dequantized once into a buffer.
+// The int4 counterpart of int8_linear_batched, where the integer path cannot serve: each weight row
+// is dequantized once into a buffer.
 static void int4_linear_batched(const float* xs, const uint8_t* ps, const float* scales, const float* lows,
                                 float* ys, int64_t M, int64_t N, int64_t K) {
   const int64_t G = K / kGroup;
@@ -399,34 +400,47 @@ static void int4_linear_batched(const float* xs, const uint8_t* ps, const float*
   });
 }
 
-// int4 weights in integers, at batch 1: x rounded to int16 as for int8, a group's 16 bytes
-// widened to its 32 nibbles as int16 lanes (the low nibbles, inputs 32g..32g+15, then the high
-// ones, 32g+16..32g+31: the order of x), multiplied and added in pairs into int32 lanes, which
-// become float once per group to take the group's scale. The float loop (below) converted every
-// nibble to float and held the batch-1 int4 step at 2.5x its weight-streaming floor, slower than
-// int8's step with two thirds of its bytes. A lane sums at most 4 products of 15 * 16383: exact.
+// int4 weights in integers: x rounded to int16 as for int8, a group's 16 bytes widened to its 32
+// nibbles as int16 lanes (the low nibbles, inputs 32g..32g+15, then the high ones, 32g+16..32g+31),
+// multiplied and added in pairs into int32 lanes, which become float once per group to take the
+// group's scale. The float loops converted every nibble to float and held the batch-1 int4 step
+// at 2.5x its weight-streaming floor, slower than int8's step with two thirds of its bytes; a
+// step's int4 products at batch 1 went from 9.6 to 3.3 ms, at batch 8 from 22.6 to 13.7 (Xeon, 2
+// cores). At batches the float conversion and scale per group and row of x bound the loop (about
+// twice int8's work per weight), where int8 converts once per 4096 inputs. A lane sums at most 4
+// products of 15 * 16383: exact.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Two groups per step: their 32 bytes widen to 32 int16 lanes at once (one vpmovzxbw), whose low
 // nibbles are inputs 0..15 of both groups and whose high nibbles are inputs 16..31. x is put in
-// that order once per call (int4_pair_order), and int32 lanes 0-7 then sum the first group, 8-15
+// that order once per call (prepare_int4_inputs), and int32 lanes 0-7 then sum the first group, 8-15
 // the second, which take their two scales in one vector.
 constexpr bool kInt4Integer = true;
 constexpr int64_t kInt4GroupsPerStep = 2;
 using FVec = __m512;
-inline FVec group_products(const int16_t* x, const uint8_t* bytes) {
+struct Nibbles {
+  __m512i low, high;
+};
+inline Nibbles widen_nibbles(const uint8_t* bytes) {
   const __m512i lanes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
   const __m512i mask = _mm512_set1_epi16(15);
-  const __m512i low = _mm512_and_si512(lanes, mask), high = _mm512_and_si512(_mm512_srli_epi16(lanes, 4), mask);
-  __m512i sums = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(x), low);
-  sums = _mm512_dpwssd_epi32(sums, _mm512_loadu_si512(x + 32), high);
-  return _mm512_cvtepi32_ps(sums);
+  return {_mm512_and_si512(lanes, mask), _mm512_and_si512(_mm512_srli_epi16(lanes, 4), mask)};
+}
+inline void store_nibbles(const Nibbles& w, int16_t* out) {
+  _mm512_storeu_si512(out, w.low);
+  _mm512_storeu_si512(out + 32, w.high);
+}
+inline Nibbles load_nibbles(const int16_t* wide) { return {_mm512_loadu_si512(wide), _mm512_loadu_si512(wide + 32)}; }
+inline FVec nibble_products(const int16_t* x, const Nibbles& w) {
+  const __m512i sums = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(x), w.low);
+  return _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(sums, _mm512_loadu_si512(x + 32), w.high));
 }
 inline FVec fzero() { return _mm512_setzero_ps(); }
-inline FVec scaled_add(FVec acc, FVec products, const float* scales) {  // scales of the two groups
+inline FVec step_scales(const float* scales) {  // lanes 0-7: the first group's scale, 8-15: the second's
   const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512 pair = _mm512_castpd_ps(_mm512_castpd128_pd512(_mm_load_sd(reinterpret_cast<const double*>(scales))));
-  return _mm512_fmadd_ps(products, _mm512_permutexvar_ps(halves, pair), acc);
+  return _mm512_permutexvar_ps(halves, pair);
 }
+inline FVec scaled_add(FVec acc, FVec products, FVec scales) { return _mm512_fmadd_ps(products, scales, acc); }
 inline float fsum(FVec acc) { return _mm512_reduce_add_ps(acc); }
 // acc + lows[g] * sums[g] for g < G, spread over the lanes (fsum adds them all).
 inline FVec add_low_terms(FVec acc, const float* lows, const float* sums, int64_t G) {
@@ -440,19 +454,31 @@ inline FVec add_low_terms(FVec acc, const float* lows, const float* sums, int64_
 constexpr bool kInt4Integer = true;
 constexpr int64_t kInt4GroupsPerStep = 1;
 using FVec = __m256;
-inline FVec group_products(const int16_t* x, const uint8_t* bytes) {
+struct Nibbles {
+  __m256i low, high;
+};
+inline Nibbles widen_nibbles(const uint8_t* bytes) {
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
   const __m128i mask = _mm_set1_epi8(15);
-  const __m256i low = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
-  const __m256i high = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+  return {_mm256_cvtepu8_epi16(_mm_and_si128(packed, mask)),
+          _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask))};
+}
+inline void store_nibbles(const Nibbles& w, int16_t* out) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), w.low);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), w.high);
+}
+inline Nibbles load_nibbles(const int16_t* wide) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wide)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wide + 16))};
+}
+inline FVec nibble_products(const int16_t* x, const Nibbles& w) {
   const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   const __m256i x_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(x_low, low), _mm256_madd_epi16(x_high, high)));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(x_low, w.low), _mm256_madd_epi16(x_high, w.high)));
 }
 inline FVec fzero() { return _mm256_setzero_ps(); }
-inline FVec scaled_add(FVec acc, FVec products, const float* scale) {
-  return _mm256_fmadd_ps(products, _mm256_set1_ps(*scale), acc);
-}
+inline FVec step_scales(const float* scales) { return _mm256_set1_ps(*scales); }
+inline FVec scaled_add(FVec acc, FVec products, FVec scales) { return _mm256_fmadd_ps(products, scales, acc); }
 inline float fsum(FVec acc) {
   __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   half = _mm_add_ps(half, _mm_movehl_ps(half, half));
@@ -468,68 +494,90 @@ inline FVec add_low_terms(FVec acc, const float* lows, const float* sums, int64_
   return acc;
 }
 #else
-constexpr bool kInt4Integer = false;  // the float loop serves
+constexpr bool kInt4Integer = false;  // the float loops serve
 constexpr int64_t kInt4GroupsPerStep = 1;
-using FVec = float;  // never used: int4_linear_integer returns before any of these runs
-inline FVec group_products(const int16_t*, const uint8_t*) { return 0.f; }
+using FVec = float;  // never used: the integer int4 paths return before any of these runs
+struct Nibbles {
+  int low, high;
+};
+inline Nibbles widen_nibbles(const uint8_t*) { return {0, 0}; }
+inline void store_nibbles(const Nibbles&, int16_t*) {}
+inline Nibbles load_nibbles(const int16_t*) { return {0, 0}; }
+inline FVec nibble_products(const int16_t*, const Nibbles&) { return 0.f; }
 inline FVec fzero() { return 0.f; }
-inline FVec scaled_add(FVec, FVec, const float*) { return 0.f; }
+inline FVec step_scales(const float*) { return 0.f; }
+inline FVec scaled_add(FVec, FVec, FVec) { return 0.f; }
 inline float fsum(FVec) { return 0.f; }
 inline FVec add_low_terms(FVec, const float*, const float*, int64_t) { return 0.f; }
 #endif
 
-// x in the order group_products reads it: per step of two groups, inputs 0..15 of both, then
-// inputs 16..31 of both (one group per step: the order of x).
-static void int4_pair_order(const int16_t* x, int64_t K, int16_t* out) {
-  constexpr int64_t kHalf = kGroup / 2;
-  const int64_t step = kInt4GroupsPerStep * kGroup;
-  for (int64_t base = 0; base < K; base += step) {
-    for (int64_t g = 0; g < kInt4GroupsPerStep; ++g) {
-      for (int64_t j = 0; j < kHalf; ++j) {
-        out[base + g * kHalf + j] = x[base + g * kGroup + j];
-        out[base + kInt4GroupsPerStep * kHalf + g * kHalf + j] = x[base + g * kGroup + kHalf + j];
+// The int16 inputs one step covers, and the bytes of its weights.
+constexpr int64_t kInt4Step = kInt4GroupsPerStep * kGroup;
+constexpr int64_t kInt4StepBytes = kInt4Step / 2;
+
+// The rows of x as the integer int4 loops read them: rounded to int16 with a scale per row
+// (round_rows_to_int16), each row in the order nibble_products reads (per step of two groups,
+// inputs 0..15 of both, then inputs 16..31 of both; one group per step: the order of x), and each
+// group's integer sum, for the low terms. Those take the rounded x's sums, not x's own, so that
+// the result is the dequantized weights' product with the rounded x, as for int8: with x's own
+// sums the rounding errors of the nibble products (q in 0..15, not centred) no longer cancel
+// against the low terms (2e-4 of the result, not 6e-5).
+struct Int4Inputs {
+  std::vector<int16_t> x;       // [M, K] in step order
+  std::vector<float> scales;    // [M]
+  std::vector<float> sums;      // [M, G]
+};
+
+static bool prepare_int4_inputs(const float* xs, int64_t M, int64_t K, Int4Inputs& in) {
+  std::vector<int16_t> rounded;
+  if (!round_rows_to_int16(xs, M, K, rounded, in.scales)) return false;
+  const int64_t G = K / kGroup, half = kGroup / 2;
+  in.x.resize(M * K);
+  in.sums.resize(M * G);
+  for (int64_t m = 0; m < M; ++m) {
+    const int16_t* row = rounded.data() + m * K;
+    int16_t* out = in.x.data() + m * K;
+    for (int64_t base = 0; base < K; base += kInt4Step) {
+      for (int64_t g = 0; g < kInt4GroupsPerStep; ++g) {
+        for (int64_t j = 0; j < half; ++j) {
+          out[base + g * half + j] = row[base + g * kGroup + j];
+          out[base + kInt4GroupsPerStep * half + g * half + j] = row[base + g * kGroup + half + j];
+        }
       }
     }
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t sum = 0;
+      for (int64_t j = 0; j < kGroup; ++j) sum += row[g * kGroup + j];
+      in.sums[m * G + g] = static_cast<float>(sum);
+    }
   }
+  return true;
 }
 
-// Four weight rows against the one row of x, rounded to int16 (xq, in int4_pair_order) with
-// x_scale: four accumulator chains share each step of x. The low terms take each group's integer
-// sum of xq (sums).
-static void int4_rows4_integer(const int16_t* xq, float x_scale, const float* sums, const uint8_t* const* rows,
-                               const float* const* scales, const float* const* lows, int64_t G, float* out) {
+// Four weight rows against the one row of x: four accumulator chains share each step of x.
+static void int4_rows4_integer(const Int4Inputs& in, const uint8_t* const* rows, const float* const* scales,
+                               const float* const* lows, int64_t G, float* out) {
   FVec acc0 = fzero(), acc1 = fzero(), acc2 = fzero(), acc3 = fzero();
   for (int64_t g = 0; g < G; g += kInt4GroupsPerStep) {
-    const int16_t* x = xq + g * kGroup;
+    const int16_t* x = in.x.data() + g * kGroup;
     const int64_t offset = g * (kGroup / 2);
-    acc0 = scaled_add(acc0, group_products(x, rows[0] + offset), scales[0] + g);
-    acc1 = scaled_add(acc1, group_products(x, rows[1] + offset), scales[1] + g);
-    acc2 = scaled_add(acc2, group_products(x, rows[2] + offset), scales[2] + g);
-    acc3 = scaled_add(acc3, group_products(x, rows[3] + offset), scales[3] + g);
+    acc0 = scaled_add(acc0, nibble_products(x, widen_nibbles(rows[0] + offset)), step_scales(scales[0] + g));
+    acc1 = scaled_add(acc1, nibble_products(x, widen_nibbles(rows[1] + offset)), step_scales(scales[1] + g));
+    acc2 = scaled_add(acc2, nibble_products(x, widen_nibbles(rows[2] + offset)), step_scales(scales[2] + g));
+    acc3 = scaled_add(acc3, nibble_products(x, widen_nibbles(rows[3] + offset)), step_scales(scales[3] + g));
   }
+  const float* sums = in.sums.data();
+  const float x_scale = in.scales[0];
   out[0] = fsum(add_low_terms(acc0, lows[0], sums, G)) * x_scale;
   out[1] = fsum(add_low_terms(acc1, lows[1], sums, G)) * x_scale;
   out[2] = fsum(add_low_terms(acc2, lows[2], sums, G)) * x_scale;
   out[3] = fsum(add_low_terms(acc3, lows[3], sums, G)) * x_scale;
 }
 
-// Batch 1; false where the float loop must serve (no integer path, or x not finite). The low
-// terms take each group's sum of the rounded x, so that the result is the dequantized weights'
-// product with that x, as for int8: with x's own sums, the rounding errors of the nibble products
-// (q in 0..15, not centred) no longer cancel against the low terms (2e-4 of the result, not 3e-5).
-static bool int4_linear_integer(const float* xs, const uint8_t* ps, const float* scales, const float* lows, float* ys,
-                                int64_t N, int64_t K) {
+// Batch 1: each weight row is widened in registers as it streams by.
+static void int4_linear_one_row(const Int4Inputs& in, const uint8_t* ps, const float* scales, const float* lows,
+                                float* ys, int64_t N, int64_t K) {
   const int64_t G = K / kGroup, row_bytes = K / 2;
-  if (!kInt4Integer || G % kInt4GroupsPerStep != 0) return false;
-  std::vector<int16_t> xq, x_ordered(K);
-  std::vector<float> x_scales, group_sums(G);
-  if (!round_rows_to_int16(xs, 1, K, xq, x_scales)) return false;
-  int4_pair_order(xq.data(), K, x_ordered.data());
-  for (int64_t g = 0; g < G; ++g) {
-    int32_t sum = 0;
-    for (int64_t j = 0; j < kGroup; ++j) sum += xq[g * kGroup + j];
-    group_sums[g] = static_cast<float>(sum);
-  }
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; n += 4) {
       const int64_t count = std::min<int64_t>(4, end - n);
@@ -543,10 +591,76 @@ static bool int4_linear_integer(const float* xs, const uint8_t* ps, const float*
         row_lows[i] = lows + r * G;
       }
       float dots[4];
-      int4_rows4_integer(x_ordered.data(), x_scales[0], group_sums.data(), rows, row_scales, row_lows, G, dots);
+      int4_rows4_integer(in, rows, row_scales, row_lows, G, dots);
       for (int64_t i = 0; i < count; ++i) ys[n + i] = dots[i];
     }
   });
+}
+
+// Four rows of x (from row m) against one weight row, widened once into `wide`: each step's
+// nibbles and scales are loaded once for all four. Named accumulators: in an array, gcc stored
+// all four to the stack every step.
+static void int4_wide_row4(const Int4Inputs& in, const int16_t* wide, const float* scales, const float* lows,
+                           int64_t m, int64_t n, int64_t N, int64_t K, float* ys) {
+  const int64_t G = K / kGroup;
+  const int16_t *x0 = in.x.data() + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+  FVec acc0 = fzero(), acc1 = fzero(), acc2 = fzero(), acc3 = fzero();
+  for (int64_t g = 0; g < G; g += kInt4GroupsPerStep) {
+    const int64_t k = g * kGroup;
+    const Nibbles w = load_nibbles(wide + k);
+    const FVec step_scale = step_scales(scales + g);
+    acc0 = scaled_add(acc0, nibble_products(x0 + k, w), step_scale);
+    acc1 = scaled_add(acc1, nibble_products(x1 + k, w), step_scale);
+    acc2 = scaled_add(acc2, nibble_products(x2 + k, w), step_scale);
+    acc3 = scaled_add(acc3, nibble_products(x3 + k, w), step_scale);
+  }
+  const FVec accs[4] = {acc0, acc1, acc2, acc3};
+  for (int i = 0; i < 4; ++i) {
+    ys[(m + i) * N + n] = fsum(add_low_terms(accs[i], lows, in.sums.data() + (m + i) * G, G)) * in.scales[m + i];
+  }
+}
+
+// One row of x against one widened weight row (a batch's last rows).
+static void int4_wide_row1(const Int4Inputs& in, const int16_t* wide, const float* scales, const float* lows,
+                           int64_t m, int64_t n, int64_t N, int64_t K, float* ys) {
+  const int64_t G = K / kGroup;
+  const int16_t* x = in.x.data() + m * K;
+  FVec acc = fzero();
+  for (int64_t g = 0; g < G; g += kInt4GroupsPerStep) {
+    acc = scaled_add(acc, nibble_products(x + g * kGroup, load_nibbles(wide + g * kGroup)), step_scales(scales + g));
+  }
+  ys[m * N + n] = fsum(add_low_terms(acc, lows, in.sums.data() + m * G, G)) * in.scales[m];
+}
+
+// A decode batch: each weight row's nibbles widen once into a buffer that every row of x reads.
+static void int4_linear_rows(const Int4Inputs& in, const uint8_t* ps, const float* scales, const float* lows,
+                             float* ys, int64_t M, int64_t N, int64_t K) {
+  const int64_t G = K / kGroup, row_bytes = K / 2;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> wide(K);
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = ps + n * row_bytes;
+      if (n + kPrefetchRows < end) prefetch_rows(row + kPrefetchRows * row_bytes, row_bytes);
+      for (int64_t k = 0; k < K; k += kInt4Step) store_nibbles(widen_nibbles(row + k / 2), wide.data() + k);
+      const float *row_scales = scales + n * G, *row_lows = lows + n * G;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) int4_wide_row4(in, wide.data(), row_scales, row_lows, m, n, N, K, ys);
+      for (; m < M; ++m) int4_wide_row1(in, wide.data(), row_scales, row_lows, m, n, N, K, ys);
+    }
+  });
+}
+
+// False where the float loops must serve: no integer path, or an entry of x not finite.
+static bool int4_linear_integer(const float* xs, const uint8_t* ps, const float* scales, const float* lows, float* ys,
+                                int64_t M, int64_t N, int64_t K) {
+  if (!kInt4Integer || (K / kGroup) % kInt4GroupsPerStep != 0) return false;
+  Int4Inputs in;
+  if (!prepare_int4_inputs(xs, M, K, in)) return false;
+  if (M == 1) {
+    int4_linear_one_row(in, ps, scales, lows, ys, N, K);
+  } else {
+    int4_linear_rows(in, ps, scales, lows, ys, M, N, K);
+  }
   return true;
 }
 
@@ -564,11 +678,11 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   const float* scales = scale.data_ptr<float>();
   const float* lows = low.data_ptr<float>();
   float* ys = y.data_ptr<float>();
+  if (int4_linear_integer(xs, ps, scales, lows, ys, M, N, K)) return y;
   if (M > 1) {
     int4_linear_batched(xs, ps, scales, lows, ys, M, N, K);
     return y;
   }
-  if (int4_linear_integer(xs, ps, scales, lows, ys, N, K)) return y;
   // Each group's sum of x: the `low` term of a group is low * sum(x over the group).
   auto x_sums = x.view({M, G, kGroup}).sum(-1).contiguous();
   const float* sums = x_sums.data_ptr<float>();
