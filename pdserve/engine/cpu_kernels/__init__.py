@@ -49,7 +49,14 @@ def compile_flags() -> list[str]:
     return ["-O3", ISA_TO_MARCH[cpu_isa()], "-fopenmp", "-mprefer-vector-width=512"]
 
 
-SOURCES = ("quantized_gemv.cpp", "int8_panels.cpp", "paged_attention.cpp", "decode_stack.cpp", "bindings.cpp")
+SOURCES = (
+    "quantized_gemv.cpp",
+    "int8_panels.cpp",
+    "int4_panels.cpp",
+    "paged_attention.cpp",
+    "decode_stack.cpp",
+    "bindings.cpp",
+)
 HEADERS = ("kernels.h",)  # compiled only through the sources, but a change to it must rebuild
 
 

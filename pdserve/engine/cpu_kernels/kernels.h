@@ -122,6 +122,10 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 // false where the CPU lacks AVX2
 bool int8_linear_panels(const int16_t* xq, const float* x_scales, const int8_t* qs, const float* scales, float* ys,
                         int64_t M, int64_t N, int64_t K);
+// int4_panels.cpp: rows of x already rounded to int16 (one scale each, and each group's integer
+// sum) against int4 weights; false where the CPU lacks AVX512-VNNI
+bool int4_linear_panels(const int16_t* xq, const float* x_scales, const float* x_sums, const uint8_t* ps,
+                        const float* scales, const float* lows, float* ys, int64_t M, int64_t N, int64_t K);
 // paged_attention.cpp
 torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,

@@ -406,13 +406,14 @@ static void int4_linear_batched(const float* xs, const uint8_t* ps, const float*
 // group's scale. The float loops converted every nibble to float and held the batch-1 int4 step
 // at 2.5x its weight-streaming floor, slower than int8's step with two thirds of its bytes; a
 // step's int4 products at batch 1 went from 9.6 to 3.3 ms, at batch 8 from 22.6 to 13.7 (Xeon, 2
-// cores). At batches the float conversion and scale per group and row of x bound the loop (about
-// twice int8's work per weight), where int8 converts once per 4096 inputs. A lane sums at most 4
-// products of 15 * 16383: exact.
+// cores). At batches the float conversion and scale per group and row of x bound these loops
+// (about twice int8's work per weight, where int8 converts once per 4096 inputs), so from 16 rows
+// up the panels of int4_panels.cpp serve instead. A lane sums at most 4 products of 15 * 16383:
+// exact.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Two groups per step: their 32 bytes widen to 32 int16 lanes at once (one vpmovzxbw), whose low
 // nibbles are inputs 0..15 of both groups and whose high nibbles are inputs 16..31. x is put in
-// that order once per call (prepare_int4_inputs), and int32 lanes 0-7 then sum the first group, 8-15
+// that order once per call (order_int4_inputs), and int32 lanes 0-7 then sum the first group, 8-15
 // the second, which take their two scales in one vector.
 constexpr bool kInt4Integer = true;
 constexpr int64_t kInt4GroupsPerStep = 2;
@@ -511,47 +512,60 @@ inline float fsum(FVec) { return 0.f; }
 inline FVec add_low_terms(FVec, const float*, const float*, int64_t) { return 0.f; }
 #endif
 
+// From 16 rows of x up, AVX512-VNNI builds multiply in int4_panels.cpp's outer-product kernel,
+// which takes the scales of 16 outputs at once (a step's int4 products at 32 rows: 73 -> 31 ms).
+// Below, packing its panels costs about what it saves: at 2, 4 and 8 rows it took 10.9, 10.1 and
+// 13.6 ms against these loops' 9.3, 11.8 and 13.0 (Xeon, 2 cores).
+constexpr int64_t kInt4PanelMinRows = 16;
+
 // The int16 inputs one step covers, and the bytes of its weights.
 constexpr int64_t kInt4Step = kInt4GroupsPerStep * kGroup;
 constexpr int64_t kInt4StepBytes = kInt4Step / 2;
 
 // The rows of x as the integer int4 loops read them: rounded to int16 with a scale per row
-// (round_rows_to_int16), each row in the order nibble_products reads (per step of two groups,
-// inputs 0..15 of both, then inputs 16..31 of both; one group per step: the order of x), and each
-// group's integer sum, for the low terms. Those take the rounded x's sums, not x's own, so that
-// the result is the dequantized weights' product with the rounded x, as for int8: with x's own
-// sums the rounding errors of the nibble products (q in 0..15, not centred) no longer cancel
-// against the low terms (2e-4 of the result, not 6e-5).
+// (round_rows_to_int16), and each group's integer sum, for the low terms. Those take the rounded
+// x's sums, not x's own, so that the result is the dequantized weights' product with the rounded
+// x, as for int8: with x's own sums the rounding errors of the nibble products (q in 0..15, not
+// centred) no longer cancel against the low terms (2e-4 of the result, not 6e-5). The dot-product
+// loops read x in step order (per step of two groups, inputs 0..15 of both, then inputs 16..31
+// of both; one group per step: the order of x); the panels read it as it is.
 struct Int4Inputs {
-  std::vector<int16_t> x;       // [M, K] in step order
-  std::vector<float> scales;    // [M]
-  std::vector<float> sums;      // [M, G]
+  std::vector<int16_t> rounded;  // [M, K]
+  std::vector<int16_t> x;        // [M, K] in step order (the dot-product loops only)
+  std::vector<float> scales;     // [M]
+  std::vector<float> sums;       // [M, G]
 };
 
-static bool prepare_int4_inputs(const float* xs, int64_t M, int64_t K, Int4Inputs& in) {
-  std::vector<int16_t> rounded;
-  if (!round_rows_to_int16(xs, M, K, rounded, in.scales)) return false;
-  const int64_t G = K / kGroup, half = kGroup / 2;
-  in.x.resize(M * K);
+static bool round_int4_inputs(const float* xs, int64_t M, int64_t K, Int4Inputs& in) {
+  if (!round_rows_to_int16(xs, M, K, in.rounded, in.scales)) return false;
+  const int64_t G = K / kGroup;
   in.sums.resize(M * G);
   for (int64_t m = 0; m < M; ++m) {
-    const int16_t* row = rounded.data() + m * K;
-    int16_t* out = in.x.data() + m * K;
-    for (int64_t base = 0; base < K; base += kInt4Step) {
-      for (int64_t g = 0; g < kInt4GroupsPerStep; ++g) {
-        for (int64_t j = 0; j < half; ++j) {
-          out[base + g * half + j] = row[base + g * kGroup + j];
-          out[base + kInt4GroupsPerStep * half + g * half + j] = row[base + g * kGroup + half + j];
-        }
-      }
-    }
     for (int64_t g = 0; g < G; ++g) {
+      const int16_t* group = in.rounded.data() + m * K + g * kGroup;
       int32_t sum = 0;
-      for (int64_t j = 0; j < kGroup; ++j) sum += row[g * kGroup + j];
+      for (int64_t j = 0; j < kGroup; ++j) sum += group[j];
       in.sums[m * G + g] = static_cast<float>(sum);
     }
   }
   return true;
+}
+
+static void order_int4_inputs(int64_t M, int64_t K, Int4Inputs& in) {
+  constexpr int64_t kHalf = kGroup / 2;
+  in.x.resize(M * K);
+  for (int64_t m = 0; m < M; ++m) {
+    const int16_t* row = in.rounded.data() + m * K;
+    int16_t* out = in.x.data() + m * K;
+    for (int64_t base = 0; base < K; base += kInt4Step) {
+      for (int64_t g = 0; g < kInt4GroupsPerStep; ++g) {
+        for (int64_t j = 0; j < kHalf; ++j) {
+          out[base + g * kHalf + j] = row[base + g * kGroup + j];
+          out[base + kInt4GroupsPerStep * kHalf + g * kHalf + j] = row[base + g * kGroup + kHalf + j];
+        }
+      }
+    }
+  }
 }
 
 // Four weight rows against the one row of x: four accumulator chains share each step of x.
@@ -653,9 +667,15 @@ static void int4_linear_rows(const Int4Inputs& in, const uint8_t* ps, const floa
 // False where the float loops must serve: no integer path, or an entry of x not finite.
 static bool int4_linear_integer(const float* xs, const uint8_t* ps, const float* scales, const float* lows, float* ys,
                                 int64_t M, int64_t N, int64_t K) {
-  if (!kInt4Integer || (K / kGroup) % kInt4GroupsPerStep != 0) return false;
+  if (!kInt4Integer) return false;
   Int4Inputs in;
-  if (!prepare_int4_inputs(xs, M, K, in)) return false;
+  if (!round_int4_inputs(xs, M, K, in)) return false;
+  if (M >= kInt4PanelMinRows && int4_linear_panels(in.rounded.data(), in.scales.data(), in.sums.data(), ps, scales,
+                                                   lows, ys, M, N, K)) {
+    return true;
+  }
+  if ((K / kGroup) % kInt4GroupsPerStep != 0) return false;
+  order_int4_inputs(M, K, in);
   if (M == 1) {
     int4_linear_one_row(in, ps, scales, lows, ys, N, K);
   } else {

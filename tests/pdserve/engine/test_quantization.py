@@ -182,7 +182,7 @@ def test_int8_rows_with_a_non_finite_entry_give_non_finite_outputs_and_leave_the
     torch.testing.assert_close(torch.cat([y[:6], y[7:]]), exact, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("num_rows", [1, 5, 9])  # batch 1; blocks of four rows of x and their tails
+@pytest.mark.parametrize("num_rows", [1, 5, 9, 16, 19, 37])  # batch 1; the dot-product loops; the panels (16 up)
 @pytest.mark.parametrize(("out_features", "in_features"), [(97, 128), (8, 96), (5, 1536)])  # 96: an odd group count
 def test_int4_rows_multiply_in_integers_close_to_their_dequantized_weights(num_rows, out_features, in_features):
     """Decode batches round x to int16 and multiply the nibbles in integers; the low terms take the
@@ -209,7 +209,7 @@ def test_one_row_int4_products_are_exact_at_the_extremes():
     torch.testing.assert_close(y, exact, rtol=1e-5, atol=0)  # groups add up in float; an overflow would be ~1e4x off
 
 
-@pytest.mark.parametrize("num_rows", [1, 6])
+@pytest.mark.parametrize("num_rows", [1, 6, 18])
 def test_int4_rows_with_a_non_finite_entry_give_non_finite_outputs_and_leave_the_others_alone(num_rows):
     torch.manual_seed(5)
     quantized = Int4Linear(torch.randn(8, 128), None)
