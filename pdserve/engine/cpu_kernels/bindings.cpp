@@ -7,6 +7,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &pdserve::int8_linear, "y = x @ (q * scale).T for any number of rows of float32 x", no_gil());
   m.def("int4_linear", &pdserve::int4_linear, "y = x @ w.T, w in int4 groups of 32, for at most 64 rows of float32 x",
         no_gil());
+  m.def("int4_dequantize", &pdserve::int4_dequantize, "q * scale + low as float32, or bfloat16 if asked", no_gil());
   m.def("paged_decode_attention", &pdserve::paged_decode_attention,
         "one query token per sequence attending to its context in the paged KV cache, read in place", no_gil());
   pdserve::bind_decode_stack(m);

@@ -118,6 +118,8 @@ inline T* cache_data(const torch::Tensor& cache) {
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low);
+torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
+                              bool bfloat16);
 // int8_panels.cpp: rows of x already rounded to int16 (one scale each) against int8 weights;
 // false where the CPU lacks AVX2
 bool int8_linear_panels(const int16_t* xq, const float* x_scales, const int8_t* qs, const float* scales, float* ys,

@@ -222,6 +222,17 @@ def test_int4_rows_with_a_non_finite_entry_give_non_finite_outputs_and_leave_the
     assert not quantized(torch.zeros(num_rows, 128)).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int4_dense_weights_for_prefill_are_the_dequantized_weights_bit_for_bit(dtype):
+    """Prefill chunks multiply densely with weights dequantized in C++ (float32, bfloat16) or
+    torch (other dtypes): the same values as dequantized().to(dtype)."""
+    torch.manual_seed(6)
+    quantized = Int4Linear(torch.randn(40, 160) * 3, None)
+    dense = quantized.dense_weight(dtype)
+    assert dense.dtype == dtype
+    assert torch.equal(dense, quantized.dequantized().to(dtype))
+
+
 def test_int4_packing_round_trips_and_matches_the_kernels_layout():
     q = torch.randint(0, 16, (8, 64), dtype=torch.int32)
     packed = int4_pack(q)
