@@ -1,17 +1,18 @@
-// int4 weights against decode batches of 16 rows of x and more, in integers, on AVX512-VNNI: the
-// outer-product kernel of int8_panels.cpp, with one scale per group of 32 inputs.
+// int4 weights against decode batches of 16 rows of x and more, in integers: the outer-product
+// kernel of int8_panels.cpp, with one scale per group of 32 inputs.
 //
 // quantized_gemv.cpp's loops reduce each (row of x, weight row) pair along K, so every group of
 // every such pair converts its int32 sums to float and takes its scale: about twice int8's work
-// per weight, and a batch of 32 took 73 ms of a step's products against int8's 26. Here 16 weight
-// rows are widened to int16 once into a panel laid out pair of inputs by pair of inputs,
+// per weight, and a batch of 32 took 73 ms of a step's products against int8's 26 (Xeon, 2
+// cores). Here a panel of weight rows (16 on AVX512-VNNI, 8 on AVX2) is widened to int16 once,
+// laid out pair of inputs by pair of inputs,
 //
-//   panel[g][p][c][j] = q[n0 + c][32g + 2p + j]     (g: group, p: pair in it, c: one of 16 outputs)
+//   panel[g][p][c][j] = q[n0 + c][32g + 2p + j]     (g: group, p: pair in it, c: an output)
 //
-// so one 512-bit load holds the 16 outputs' weights for two inputs, which a broadcast pair of
-// int16 inputs of one row of x multiplies and adds into 16 int32 lanes (vpdpwssd): one lane per
-// output. After a group's 16 pairs, each row's lanes go to float once, for the 16 outputs
-// together: times the group's scales (packed beside the panel), plus the group's lows times the
+// so one vector load holds the panel's weights for two inputs, which a broadcast pair of int16
+// inputs of one row of x multiplies and adds into int32 lanes (vpdpwssd, or vpmaddwd and vpaddd):
+// one lane per output. After a group's 16 pairs, each row's lanes go to float once, for the whole
+// panel: times the group's scales (packed beside the panel), plus the group's lows times the
 // row's integer sum over the group. Four rows of x at a time keep 8 accumulators in registers.
 //
 // Overflow: |x| <= 16383 and q <= 15, so a lane sums at most 32 * 15 * 16383 per group: exact.
@@ -24,14 +25,36 @@
 
 namespace pdserve {
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-
 namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kPairs = kGroup / 2;
-constexpr int64_t kPanel = 16;  // outputs per panel: one int32 lane each
 constexpr int kRows = 4;
+
+// Per instruction set: the panel's width (kPanel outputs, one int32 lane each), its vectors, the
+// pairwise multiply-add, the packing of one group of a panel's rows, and the (masked) store.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kPanels = true;
+constexpr int64_t kPanel = 16;
+using IVec = __m512i;
+using FVec = __m512;
+inline IVec izero() { return _mm512_setzero_si512(); }
+inline IVec load(const int16_t* p) { return _mm512_loadu_si512(p); }
+inline IVec broadcast_pair(const int16_t* x) {
+  int32_t pair;
+  __builtin_memcpy(&pair, x, sizeof(pair));
+  return _mm512_set1_epi32(pair);
+}
+inline IVec multiply_add(IVec acc, IVec x, IVec w) { return _mm512_dpwssd_epi32(acc, x, w); }
+inline FVec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
+inline FVec fload(const float* p) { return _mm512_loadu_ps(p); }
+inline FVec fzero() { return _mm512_setzero_ps(); }
+inline FVec broadcast(float v) { return _mm512_set1_ps(v); }
+inline FVec fmadd(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
+inline FVec fmul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
+inline void store_outputs(float* y, FVec v, int64_t count) {
+  _mm512_mask_storeu_ps(y, count >= kPanel ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1), v);
+}
 
 // The 16 x 16 transpose of 32-bit elements: rows[i] holds element j of row i -> rows[j] holds
 // element i of each.
@@ -61,41 +84,107 @@ inline void transpose16x16(__m512i rows[16]) {
   }
 }
 
-// One group's 32 nibbles as int16 in input order: the 16 low nibbles (inputs 0..15), then the 16
-// high ones (16..31); as 32-bit elements, pair p of the group is element p.
-inline __m512i widen_group(const uint8_t* bytes) {
-  const __m256i lanes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+// One group of 16 weight rows (rows[c] its 16 bytes, or null past N) as 16 vectors, pair p's.
+inline void pack_group(const uint8_t* const* rows, int16_t* out) {
   const __m256i mask = _mm256_set1_epi16(15);
-  const __m256i low = _mm256_and_si256(lanes, mask), high = _mm256_and_si256(_mm256_srli_epi16(lanes, 4), mask);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+  __m512i block[kPanel];
+  for (int64_t c = 0; c < kPanel; ++c) {
+    if (rows[c] == nullptr) {
+      block[c] = _mm512_setzero_si512();
+      continue;
+    }
+    // The 32 nibbles in input order: the 16 low ones (inputs 0..15), then the high ones.
+    const __m256i lanes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[c])));
+    const __m256i low = _mm256_and_si256(lanes, mask), high = _mm256_and_si256(_mm256_srli_epi16(lanes, 4), mask);
+    block[c] = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+  }
+  transpose16x16(block);
+  for (int64_t p = 0; p < kPairs; ++p) _mm512_storeu_si512(out + p * kPanel * 2, block[p]);
+}
+#elif defined(__AVX2__)
+constexpr bool kPanels = true;
+constexpr int64_t kPanel = 8;
+using IVec = __m256i;
+using FVec = __m256;
+inline IVec izero() { return _mm256_setzero_si256(); }
+inline IVec load(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline IVec broadcast_pair(const int16_t* x) {
+  int32_t pair;
+  __builtin_memcpy(&pair, x, sizeof(pair));
+  return _mm256_set1_epi32(pair);
+}
+inline IVec multiply_add(IVec acc, IVec x, IVec w) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
+inline FVec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
+inline FVec fload(const float* p) { return _mm256_loadu_ps(p); }
+inline FVec fzero() { return _mm256_setzero_ps(); }
+inline FVec broadcast(float v) { return _mm256_set1_ps(v); }
+inline FVec fmadd(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
+inline FVec fmul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
+inline void store_outputs(float* y, FVec v, int64_t count) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  _mm256_maskstore_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lanes), v);
 }
 
-// Weight rows [n0, n0 + 16) into `panel` (G x 16 pairs x 16 outputs) and their scales and lows
-// into `panel_scales` and `panel_lows` (G x 16); rows past N are zeros (their outputs are dropped).
+// One group of 8 weight rows (rows[c] its 16 bytes, or null past N) as 16 vectors, pair p's:
+// each row's low nibbles are pairs 0..7, its high ones pairs 8..15, each half an 8 x 8 transpose.
+inline void pack_group(const uint8_t* const* rows, int16_t* out) {
+  const __m128i mask = _mm_set1_epi8(15);
+  __m256i low[kPanel], high[kPanel];
+  for (int64_t c = 0; c < kPanel; ++c) {
+    if (rows[c] == nullptr) {
+      low[c] = high[c] = _mm256_setzero_si256();
+      continue;
+    }
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[c]));
+    low[c] = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
+    high[c] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+  }
+  transpose8x8(low);
+  transpose8x8(high);
+  for (int64_t p = 0; p < 8; ++p) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + p * kPanel * 2), low[p]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (p + 8) * kPanel * 2), high[p]);
+  }
+}
+#else
+constexpr bool kPanels = false;  // no AVX2: quantized_gemv.cpp's loops serve
+constexpr int64_t kPanel = 8;
+using IVec = int;  // never used: int4_linear_panels returns before any of these runs
+using FVec = float;
+inline IVec izero() { return 0; }
+inline IVec load(const int16_t*) { return 0; }
+inline IVec broadcast_pair(const int16_t*) { return 0; }
+inline IVec multiply_add(IVec, IVec, IVec) { return 0; }
+inline FVec to_float(IVec) { return 0.f; }
+inline FVec fload(const float*) { return 0.f; }
+inline FVec fzero() { return 0.f; }
+inline FVec broadcast(float) { return 0.f; }
+inline FVec fmadd(FVec, FVec, FVec) { return 0.f; }
+inline FVec fmul(FVec, FVec) { return 0.f; }
+inline void store_outputs(float*, FVec, int64_t) {}
+inline void pack_group(const uint8_t* const*, int16_t*) {}
+#endif
+
+// Weight rows [n0, n0 + kPanel) into `panel` (G x 16 pairs x kPanel outputs) and their scales
+// and lows into `panel_scales` and `panel_lows` (G x kPanel); rows past N are zeros (their
+// outputs are dropped).
 void pack_panel(const uint8_t* ps, const float* scales, const float* lows, int64_t n0, int64_t N, int64_t K,
                 int16_t* panel, float* panel_scales, float* panel_lows) {
   const int64_t G = K / kGroup, row_bytes = K / 2;
   for (int64_t g = 0; g < G; ++g) {
-    __m512i rows[kPanel];
+    const uint8_t* rows[kPanel];
     for (int64_t c = 0; c < kPanel; ++c) {
       const bool real = n0 + c < N;
-      rows[c] = real ? widen_group(ps + (n0 + c) * row_bytes + g * kPairs) : _mm512_setzero_si512();
+      rows[c] = real ? ps + (n0 + c) * row_bytes + g * kPairs : nullptr;
       panel_scales[g * kPanel + c] = real ? scales[(n0 + c) * G + g] : 0.f;
       panel_lows[g * kPanel + c] = real ? lows[(n0 + c) * G + g] : 0.f;
     }
-    transpose16x16(rows);
-    for (int64_t p = 0; p < kPairs; ++p) _mm512_storeu_si512(panel + (g * kPairs + p) * kPanel * 2, rows[p]);
+    pack_group(rows, panel + g * kPairs * kPanel * 2);
   }
 }
 
-inline __m512i broadcast_pair(const int16_t* x) {
-  int32_t pair;
-  __builtin_memcpy(&pair, x, sizeof(pair));
-  return _mm512_set1_epi32(pair);
-}
-
 // Rows [m, m + count) of x (count <= 4; a smaller count repeats row m, whose sums are dropped)
-// against one panel: y[m + r][n0 .. n0 + 16) for the outputs below N.
+// against one panel: y[m + r][n0 .. n0 + kPanel) for the outputs below N.
 void panel_rows(const int16_t* xq, const float* x_scales, const float* x_sums, const int16_t* panel,
                 const float* panel_scales, const float* panel_lows, float* ys, int64_t m, int64_t count, int64_t n0,
                 int64_t N, int64_t K) {
@@ -104,30 +193,28 @@ void panel_rows(const int16_t* xq, const float* x_scales, const float* x_sums, c
   const int16_t *x0 = xq + m * K, *x1 = xq + (m + r1) * K, *x2 = xq + (m + r2) * K, *x3 = xq + (m + r3) * K;
   const float *s0 = x_sums + m * G, *s1 = x_sums + (m + r1) * G, *s2 = x_sums + (m + r2) * G,
               *s3 = x_sums + (m + r3) * G;
-  __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+  FVec f0 = fzero(), f1 = f0, f2 = f0, f3 = f0;
   for (int64_t g = 0; g < G; ++g) {
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    IVec a0 = izero(), a1 = a0, a2 = a0, a3 = a0;
     const int16_t* group = panel + g * kPairs * kPanel * 2;
     const int64_t k = g * kGroup;
     for (int64_t p = 0; p < kPairs; ++p) {
-      __m512i w = _mm512_loadu_si512(group + p * kPanel * 2);
+      IVec w = load(group + p * kPanel * 2);
       in_register(w);
-      a0 = _mm512_dpwssd_epi32(a0, broadcast_pair(x0 + k + 2 * p), w);
-      a1 = _mm512_dpwssd_epi32(a1, broadcast_pair(x1 + k + 2 * p), w);
-      a2 = _mm512_dpwssd_epi32(a2, broadcast_pair(x2 + k + 2 * p), w);
-      a3 = _mm512_dpwssd_epi32(a3, broadcast_pair(x3 + k + 2 * p), w);
+      a0 = multiply_add(a0, broadcast_pair(x0 + k + 2 * p), w);
+      a1 = multiply_add(a1, broadcast_pair(x1 + k + 2 * p), w);
+      a2 = multiply_add(a2, broadcast_pair(x2 + k + 2 * p), w);
+      a3 = multiply_add(a3, broadcast_pair(x3 + k + 2 * p), w);
     }
-    const __m512 scale = _mm512_loadu_ps(panel_scales + g * kPanel), low = _mm512_loadu_ps(panel_lows + g * kPanel);
-    f0 = _mm512_fmadd_ps(low, _mm512_set1_ps(s0[g]), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), scale, f0));
-    f1 = _mm512_fmadd_ps(low, _mm512_set1_ps(s1[g]), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), scale, f1));
-    f2 = _mm512_fmadd_ps(low, _mm512_set1_ps(s2[g]), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), scale, f2));
-    f3 = _mm512_fmadd_ps(low, _mm512_set1_ps(s3[g]), _mm512_fmadd_ps(_mm512_cvtepi32_ps(a3), scale, f3));
+    const FVec scale = fload(panel_scales + g * kPanel), low = fload(panel_lows + g * kPanel);
+    f0 = fmadd(low, broadcast(s0[g]), fmadd(to_float(a0), scale, f0));
+    f1 = fmadd(low, broadcast(s1[g]), fmadd(to_float(a1), scale, f1));
+    f2 = fmadd(low, broadcast(s2[g]), fmadd(to_float(a2), scale, f2));
+    f3 = fmadd(low, broadcast(s3[g]), fmadd(to_float(a3), scale, f3));
   }
-  const __mmask16 outputs = N - n0 >= kPanel ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
-  const __m512 results[kRows] = {f0, f1, f2, f3};
+  const FVec results[kRows] = {f0, f1, f2, f3};
   for (int64_t r = 0; r < count; ++r) {
-    const __m512 y = _mm512_mul_ps(results[r], _mm512_set1_ps(x_scales[m + r]));
-    _mm512_mask_storeu_ps(ys + (m + r) * N + n0, outputs, y);
+    store_outputs(ys + (m + r) * N + n0, fmul(results[r], broadcast(x_scales[m + r])), N - n0);
   }
 }
 
@@ -135,6 +222,7 @@ void panel_rows(const int16_t* xq, const float* x_scales, const float* x_sums, c
 
 bool int4_linear_panels(const int16_t* xq, const float* x_scales, const float* x_sums, const uint8_t* ps,
                         const float* scales, const float* lows, float* ys, int64_t M, int64_t N, int64_t K) {
+  if (!kPanels) return false;
   const int64_t G = K / kGroup, num_panels = (N + kPanel - 1) / kPanel;
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<int16_t> panel(K * kPanel);
@@ -152,14 +240,5 @@ bool int4_linear_panels(const int16_t* xq, const float* x_scales, const float* x
   });
   return true;
 }
-
-#else
-
-bool int4_linear_panels(const int16_t*, const float*, const float*, const uint8_t*, const float*, const float*, float*,
-                        int64_t, int64_t, int64_t) {
-  return false;  // no AVX512-VNNI: quantized_gemv.cpp's loops serve
-}
-
-#endif
 
 }  // namespace pdserve

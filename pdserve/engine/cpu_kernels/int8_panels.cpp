@@ -42,26 +42,6 @@ constexpr int kRows = 4;
 constexpr int kVecs = 2;
 constexpr int64_t kPanel = kVecs * 8;
 
-// The 8 x 8 transpose of 32-bit elements: rows[i] holds element j of row i -> rows[j] holds
-// element i of each.
-inline void transpose8x8(__m256i rows[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_epi32(rows[i], rows[i + 1]);
-    t[i + 1] = _mm256_unpackhi_epi32(rows[i], rows[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    rows[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
-    rows[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
-  }
-}
-
 // Widens weight rows [n0, n0 + 16) into `panel`, eight rows by eight pairs of inputs at a time:
 // each row's 16 int8 widen to 8 int16 pairs (32-bit elements), and a transpose turns 8 rows of
 // pairs into 8 pairs of rows. Rows past N read `zeros` (their outputs are dropped). K % 16 == 0.

@@ -35,6 +35,28 @@ inline void in_register(T& v) {
   if constexpr (!std::is_arithmetic_v<T>) __asm__("" : "+v"(v));
 }
 
+#if defined(__AVX2__)
+// The 8 x 8 transpose of 32-bit elements: rows[i] holds element j of row i -> rows[j] holds
+// element i of each (the panel kernels' packing).
+inline void transpose8x8(__m256i rows[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(rows[i], rows[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    rows[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    rows[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+#endif
+
 // A KV cache element of each dtype the caches hold (--kv-cache-dtype), read as float: 16-bit caches
 // halve the bytes a decode step's attention reads. bfloat16 is the high half of a float32 (a shift
 // in a vectorized loop); float16 rows go through row_as_float below.
@@ -125,7 +147,7 @@ torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& 
 bool int8_linear_panels(const int16_t* xq, const float* x_scales, const int8_t* qs, const float* scales, float* ys,
                         int64_t M, int64_t N, int64_t K);
 // int4_panels.cpp: rows of x already rounded to int16 (one scale each, and each group's integer
-// sum) against int4 weights; false where the CPU lacks AVX512-VNNI
+// sum) against int4 weights; false where the CPU lacks AVX2
 bool int4_linear_panels(const int16_t* xq, const float* x_scales, const float* x_sums, const uint8_t* ps,
                         const float* scales, const float* lows, float* ys, int64_t M, int64_t N, int64_t K);
 // paged_attention.cpp

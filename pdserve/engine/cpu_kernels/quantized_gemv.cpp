@@ -512,10 +512,11 @@ inline float fsum(FVec) { return 0.f; }
 inline FVec add_low_terms(FVec, const float*, const float*, int64_t) { return 0.f; }
 #endif
 
-// From 16 rows of x up, AVX512-VNNI builds multiply in int4_panels.cpp's outer-product kernel,
-// which takes the scales of 16 outputs at once (a step's int4 products at 32 rows: 73 -> 31 ms).
-// Below, packing its panels costs about what it saves: at 2, 4 and 8 rows it took 10.9, 10.1 and
-// 13.6 ms against these loops' 9.3, 11.8 and 13.0 (Xeon, 2 cores).
+// From 16 rows of x up, int4_panels.cpp's outer-product kernel serves, which takes the scales of
+// 16 (AVX512-VNNI) or 8 (AVX2) outputs at once: a step's int4 products at 32 rows went from 73 to
+// 31 ms (from 93 to 54 on the AVX2 build). Below, packing its panels costs about what it saves:
+// at 2, 4 and 8 rows it took 10.9, 10.1 and 13.6 ms against these loops' 9.3, 11.8 and 13.0 (Xeon,
+// 2 cores).
 constexpr int64_t kInt4PanelMinRows = 16;
 
 // The int16 inputs one step covers, and the bytes of its weights.
