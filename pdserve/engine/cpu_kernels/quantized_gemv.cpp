@@ -123,13 +123,13 @@ inline IVec zero() { return _mm256_setzero_si256(); }
 inline IVec load(const int16_t* x) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)); }
 inline IVec widen(const int8_t* w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))); }
 inline IVec multiply_add(IVec acc, IVec a, IVec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
-inline float lane_sum(IVec acc) {
-  const __m256 lanes = _mm256_cvtepi32_ps(acc);
+inline float horizontal_sum(__m256 lanes) {  // the int4 loops below sum their float lanes with it too
   __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
   half = _mm_add_ps(half, _mm_movehl_ps(half, half));
   half = _mm_add_ss(half, _mm_movehdup_ps(half));
   return _mm_cvtss_f32(half);
 }
+inline float lane_sum(IVec acc) { return horizontal_sum(_mm256_cvtepi32_ps(acc)); }
 #else
 constexpr int64_t kIntWidth = 0;  // no integer path: the float loops serve
 using IVec = int;  // never used: int8_linear_integer returns before any of these runs
@@ -480,16 +480,12 @@ inline FVec nibble_products(const int16_t* x, const Nibbles& w) {
 inline FVec fzero() { return _mm256_setzero_ps(); }
 inline FVec step_scales(const float* scales) { return _mm256_set1_ps(*scales); }
 inline FVec scaled_add(FVec acc, FVec products, FVec scales) { return _mm256_fmadd_ps(products, scales, acc); }
-inline float fsum(FVec acc) {
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  half = _mm_add_ss(half, _mm_movehdup_ps(half));
-  return _mm_cvtss_f32(half);
-}
+inline float fsum(FVec acc) { return horizontal_sum(acc); }
 inline FVec add_low_terms(FVec acc, const float* lows, const float* sums, int64_t G) {
   for (int64_t g = 0; g < G; g += 8) {
     const int64_t left = std::min<int64_t>(8, G - g);
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), lanes);
     acc = _mm256_fmadd_ps(_mm256_maskload_ps(lows + g, mask), _mm256_maskload_ps(sums + g, mask), acc);
   }
   return acc;
@@ -519,9 +515,8 @@ inline FVec add_low_terms(FVec, const float*, const float*, int64_t) { return 0.
 // 2 cores).
 constexpr int64_t kInt4PanelMinRows = 16;
 
-// The int16 inputs one step covers, and the bytes of its weights.
+// The int16 inputs one step of the dot-product loops covers.
 constexpr int64_t kInt4Step = kInt4GroupsPerStep * kGroup;
-constexpr int64_t kInt4StepBytes = kInt4Step / 2;
 
 // The rows of x as the integer int4 loops read them: rounded to int16 with a scale per row
 // (round_rows_to_int16), and each group's integer sum, for the low terms. Those take the rounded
@@ -668,14 +663,13 @@ static void int4_linear_rows(const Int4Inputs& in, const uint8_t* ps, const floa
 // False where the float loops must serve: no integer path, or an entry of x not finite.
 static bool int4_linear_integer(const float* xs, const uint8_t* ps, const float* scales, const float* lows, float* ys,
                                 int64_t M, int64_t N, int64_t K) {
-  if (!kInt4Integer) return false;
+  const bool panels = M >= kInt4PanelMinRows;  // the panels take any group count, the dot-product loops whole steps
+  if (!kInt4Integer || (!panels && (K / kGroup) % kInt4GroupsPerStep != 0)) return false;
   Int4Inputs in;
   if (!round_int4_inputs(xs, M, K, in)) return false;
-  if (M >= kInt4PanelMinRows && int4_linear_panels(in.rounded.data(), in.scales.data(), in.sums.data(), ps, scales,
-                                                   lows, ys, M, N, K)) {
-    return true;
+  if (panels) {
+    return int4_linear_panels(in.rounded.data(), in.scales.data(), in.sums.data(), ps, scales, lows, ys, M, N, K);
   }
-  if ((K / kGroup) % kInt4GroupsPerStep != 0) return false;
   order_int4_inputs(M, K, in);
   if (M == 1) {
     int4_linear_one_row(in, ps, scales, lows, ys, N, K);
@@ -685,14 +679,19 @@ static bool int4_linear_integer(const float* xs, const uint8_t* ps, const float*
   return true;
 }
 
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                          const torch::Tensor& low) {
-  const int64_t N = packed.size(0), K = packed.size(1) * 2, M = x.size(0), G = K / kGroup;
-  check_input(x, K);
+static void check_int4_weights(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low) {
+  const int64_t N = packed.size(0), K = packed.size(1) * 2, G = K / kGroup;
   TORCH_CHECK(K % kGroup == 0, "K must be a multiple of ", kGroup);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.numel() == N * G, "scale must be float32 [N, K/32]");
   TORCH_CHECK(low.scalar_type() == torch::kFloat32 && low.numel() == N * G, "low must be float32 [N, K/32]");
+}
+
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                          const torch::Tensor& low) {
+  const int64_t N = packed.size(0), K = packed.size(1) * 2, M = x.size(0), G = K / kGroup;
+  check_input(x, K);
+  check_int4_weights(packed, scale, low);
   auto y = torch::empty({M, N}, x.options());
   const float* xs = x.data_ptr<float>();
   const uint8_t* ps = packed.data_ptr<uint8_t>();
@@ -759,20 +758,20 @@ static void dequantize_int4_row(const uint8_t* bytes, const float* scales, const
 #pragma GCC pop_options
 
 template <typename T>
-static void dequantize_int4_rows(const uint8_t* ps, const float* scales, const float* lows, T* out, int64_t N, int64_t K) {
+static void dequantize_int4_rows(const uint8_t* ps, const float* scales, const float* lows, T* out, int64_t N,
+                                 int64_t K) {
   const int64_t G = K / kGroup;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) dequantize_int4_row(ps + n * (K / 2), scales + n * G, lows + n * G, out + n * K, K);
+    for (int64_t n = begin; n < end; ++n) {
+      dequantize_int4_row(ps + n * (K / 2), scales + n * G, lows + n * G, out + n * K, K);
+    }
   });
 }
 
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                               bool bfloat16) {
-  const int64_t N = packed.size(0), K = packed.size(1) * 2, G = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of ", kGroup);
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.numel() == N * G, "scale must be float32 [N, K/32]");
-  TORCH_CHECK(low.scalar_type() == torch::kFloat32 && low.numel() == N * G, "low must be float32 [N, K/32]");
+  check_int4_weights(packed, scale, low);
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
   auto out = torch::empty({N, K}, packed.options().dtype(bfloat16 ? torch::kBFloat16 : torch::kFloat32));
   const uint8_t* ps = packed.data_ptr<uint8_t>();
   if (bfloat16) {
