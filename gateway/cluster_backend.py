@@ -29,7 +29,7 @@ from gateway.failover import Attempt, FailoverPolicy, NodeCallError, ResumableRe
 from gateway.node_health import CHANNEL_OPTIONS
 from gateway.router import Route, Router
 from pdserve.cluster_state.registry import NodeInfo, RegistryView
-from pdserve.cluster_state.secret import client_interceptors
+from pdserve.cluster_state.secret import call_metadata
 from pdserve.engine.sampling_params import SamplingParams
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from protos.convert import logprob_from_proto, sampling_params_to_proto
@@ -46,7 +46,7 @@ CACHED_PROMPT_TOKENS = Counter(
 
 class ClusterBackend:
     """Owns one gRPC channel per node address and the router's in-flight counts; with a cluster
-    secret, every call on those channels carries it, and with `credentials` they are TLS."""
+    secret, every call it makes carries it, and with `credentials` the channels are TLS."""
 
     def __init__(
         self,
@@ -57,7 +57,7 @@ class ClusterBackend:
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.registry = registry
-        self._interceptors = client_interceptors(cluster_secret)
+        self._metadata = call_metadata(cluster_secret)
         self._credentials = credentials
         self.router = router or Router(registry)
         self.failover = failover or FailoverPolicy()
@@ -110,7 +110,8 @@ class ClusterBackend:
                 prompt_token_ids=prompt,
                 sampling_params=sampling_params_to_proto(params),
                 local_prefill=prefill is None,
-            )
+            ),
+            metadata=self._metadata,
         )
         for node in route.nodes:
             ROUTED_REQUESTS.labels(node.role, node.node_id).inc()
@@ -159,7 +160,7 @@ class ClusterBackend:
         )
         try:
             with calling(prefill):
-                response = await stub.Prefill(request)
+                response = await stub.Prefill(request, metadata=self._metadata)
         except NodeCallError as failure:
             if failure.code == grpc.StatusCode.ABORTED:  # the decode node let the reservation go: its fault
                 raise NodeCallError(decode, failure.code, str(failure)) from failure
@@ -174,7 +175,7 @@ class ClusterBackend:
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
             # Short reconnect backoff: a node restarted on the same address is reachable again soon.
-            self._channels[address] = open_channel(address, self._credentials, CHANNEL_OPTIONS, self._interceptors)
+            self._channels[address] = open_channel(address, self._credentials, CHANNEL_OPTIONS)
         return self._channels[address]
 
     async def close(self) -> None:

@@ -1,13 +1,13 @@
 """Turns a response's choices into backend generations and their token chunks into text deltas.
 
 Lifecycle of one response:
-  1. `ChoiceStream.open` starts one backend generation per choice (n per prompt), concurrently,
-     and waits for the first delta, so that an error before any output (overloaded, no node)
-     becomes an HTTP error instead of a broken stream.
+  1. `ChoiceStream.open` starts one backend generation per choice (n per prompt), concurrently
+     (a task each, when there are several), and waits for the first delta, so that an error
+     before any output (overloaded, no node) becomes an HTTP error instead of a broken stream.
   2. Each choice detokenizes its chunks and applies stop strings; a stop string hit closes that
      choice's backend stream at once (the nodes abort it).
   3. The deltas of all choices arrive merged, in the order they are produced.
-  4. `aclose()` (done, client gone, error) cancels what is still running and closes every
+  4. `aclose()` (done, client gone, error) ends what is still running and closes every
      backend stream.
 """
 
@@ -94,13 +94,45 @@ async def stream_choice(
 _DONE = object()
 
 
+async def merge_choices(choices: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:
+    """The deltas of several choices in the order they are produced, one task each; raises the
+    first error. Closing it cancels the choices still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(deltas: AsyncIterator[ChoiceDelta]) -> None:
+        try:
+            async for delta in deltas:
+                queue.put_nowait(delta)
+            queue.put_nowait(_DONE)
+        except Exception as exc:  # handed to the consumer, which raises it
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.create_task(pump(deltas)) for deltas in choices]
+    try:
+        num_running = len(tasks)
+        while num_running:
+            item = await queue.get()
+            if item is _DONE:
+                num_running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()  # each choice's backend stream closes on the way out
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class ChoiceStream:
     """The merged deltas of all choices of a response. Construct with `open`; always `aclose`."""
 
     def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer, specs: list[ChoiceSpec]) -> None:
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._pump(stream_choice(backend, tokenizer, spec))) for spec in specs]
-        self._num_running = len(self._tasks)
+        choices = [stream_choice(backend, tokenizer, spec) for spec in specs]
+        # One choice, the common case, is read in the consumer's own task: a task per choice
+        # and the queue between them cost every token two more task switches.
+        self._deltas = choices[0] if len(choices) == 1 else merge_choices(choices)
         self._first: ChoiceDelta | None = None
         self.routes: dict[int, str] = {}  # choice index -> its latest route (a failover moves it)
 
@@ -122,14 +154,6 @@ class ChoiceStream:
             raise
         return self
 
-    async def _pump(self, deltas: AsyncIterator[ChoiceDelta]) -> None:
-        try:
-            async for delta in deltas:
-                self._queue.put_nowait(delta)
-            self._queue.put_nowait(_DONE)
-        except Exception as exc:  # handed to the consumer, which raises it
-            self._queue.put_nowait(exc)
-
     def __aiter__(self) -> ChoiceStream:
         return self
 
@@ -140,21 +164,11 @@ class ChoiceStream:
         return await self._next_delta()
 
     async def _next_delta(self) -> ChoiceDelta:
-        while self._num_running:
-            item = await self._queue.get()
-            if item is _DONE:
-                self._num_running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                if item.route is not None:
-                    self.routes[item.index] = item.route
-                return item
-        raise StopAsyncIteration
+        delta = await anext(self._deltas)
+        if delta.route is not None:
+            self.routes[delta.index] = delta.route
+        return delta
 
     async def aclose(self) -> None:
-        """Cancels unfinished choices; each one's backend stream closes on the way out."""
-        for task in self._tasks:
-            task.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        """Ends unfinished choices; each one's backend stream closes on the way out."""
+        await close_quietly(self._deltas)

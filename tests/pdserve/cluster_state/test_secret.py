@@ -16,6 +16,7 @@ from pdserve.cluster_state.kv_index import KvIndexPublisher, KvIndexReader
 from pdserve.cluster_state.registry import NodeRegistration, RegistryView
 from pdserve.cluster_state.secret import (
     ClusterSecretServerInterceptor,
+    call_metadata,
     client_interceptors,
     sign_entry,
     verify_entry,
@@ -196,3 +197,30 @@ def test_server_refuses_calls_without_the_secret_except_health():
 
 def test_no_secret_adds_no_interceptor():
     assert client_interceptors(None) == [] and client_interceptors("") == []
+    assert call_metadata(None) == () and call_metadata("") == ()
+
+
+def test_the_secret_given_per_call_passes_as_the_interceptor_does():
+    """The gateway's token streams carry the secret as call metadata, on a channel without interceptors."""
+
+    async def body():
+        server = grpc.aio.server(interceptors=[ClusterSecretServerInterceptor(SECRET)])
+        server.add_generic_rpc_handlers((GENERIC,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        outcomes = {}
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = channel.unary_stream("/test.Echo/ServerStream")
+            for name, secret in (("right", SECRET), ("none", None), ("wrong", "guess")):
+                try:
+                    outcomes[name] = [item async for item in stream(b"x", metadata=call_metadata(secret))]
+                except grpc.aio.AioRpcError as error:
+                    outcomes[name] = error.code()
+        await server.stop(None)
+        return outcomes
+
+    assert asyncio.run(body()) == {
+        "right": [b"x", b"x"],
+        "none": grpc.StatusCode.UNAUTHENTICATED,
+        "wrong": grpc.StatusCode.UNAUTHENTICATED,
+    }
