@@ -4,14 +4,21 @@ A decode node on CPU keeps its KV cache in a shared-memory segment, and one on a
 cache with CUDA IPC (unless `--kv-transport grpc`), so same-host prefill nodes write pages
 straight into the reserved blocks; other hosts push pages over the gRPC KV stream. A colocated
 node is a decode node whose requests all ask for `local_prefill`: prefill and decode share one
-engine and one continuous batch, no KV transfer."""
+engine and one continuous batch, no KV transfer.
+
+The gateway reads a request's tokens from the node's token stream (token_stream_server.py) where
+the node serves one (`--token-stream-port`, on unless -1), and from the gRPC Generate stream
+otherwise: both run the same servicer."""
 
 from __future__ import annotations
+
+import ssl
 
 import grpc
 import torch
 
 from decode_service.servicer import DecodeServicer
+from decode_service.token_stream_server import TokenStreamServer
 from kvtransfer.base import KvReceiver, KvTransferStats
 from kvtransfer.cuda_ipc import export_kv_cache
 from kvtransfer.grpc_transport import KvTransferServicer
@@ -52,6 +59,9 @@ class DecodeNodeService:
         colocated: bool = False,
         device: str = "cpu",
         stream_interval: int = 1,
+        token_stream_port: int = -1,
+        secret: str | None = None,
+        server_ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.kv_lease_s = kv_lease_s
         self.stream_interval = stream_interval
@@ -63,6 +73,10 @@ class DecodeNodeService:
         self.kv_storage = SharedMemoryKvStorage() if shared else None
         self.exports_cuda_ipc = not colocated and device != "cpu" and kv_transport in ("auto", "cuda_ipc")
         self._receiver: KvReceiver | None = None
+        self.token_stream_port = token_stream_port
+        self._token_stream_secret = secret
+        self._token_stream_ssl = server_ssl_context
+        self.token_stream: TokenStreamServer | None = None
 
     def add_to_server(self, server: grpc.aio.Server, async_engine: AsyncEngine) -> None:
         segment = self.kv_storage.segment if self.kv_storage is not None else None
@@ -72,6 +86,8 @@ class DecodeNodeService:
         self._receiver = KvReceiver(kv_caches, in_shared_memory=in_place, lease_s=self.kv_lease_s)
         servicer = DecodeServicer(async_engine, self._receiver, self.max_reserve_wait_s, self.stream_interval)
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+        if self.token_stream_port >= 0:
+            self.token_stream = TokenStreamServer(servicer, self._token_stream_secret, self._token_stream_ssl)
         if segment is not None:
             shared_kv = (segment.name, host_id(), segment.layout)
         elif ipc_handle:
@@ -79,6 +95,15 @@ class DecodeNodeService:
         else:
             shared_kv = ("", "", "")
         KvTransferServicer(self._receiver, shared_kv, ipc_handle).add_to_server(server)
+
+    async def start_token_stream(self, host: str) -> int | None:
+        if self.token_stream is None:
+            return None
+        return await self.token_stream.start(host, self.token_stream_port)
+
+    async def stop_token_stream(self, grace_s: float) -> None:
+        if self.token_stream is not None:
+            await self.token_stream.stop(grace_s)
 
     def kv_transfer_stats(self) -> KvTransferStats:
         return self._receiver.stats() if self._receiver is not None else KvTransferStats()

@@ -3,8 +3,10 @@
 Lifecycle of one attempt (disaggregated):
   0. the router picks a prefill and a decode node (gateway/router.py: by policy, load and the
      prompt's cached prefix on each node);
-  1. open the decode node's Generate stream; it reserves blocks and says `reserved` (how many
-     leading blocks it holds already: only the rest will be pushed);
+  1. open the decode node's Generate stream (over its token stream where it advertises one: the
+     same messages at a fraction of gRPC's CPU per token, protos/token_stream.py); it reserves
+     blocks and says `reserved` (how many leading blocks it holds already: only the rest will be
+     pushed);
   2. pick a prefill node and call Prefill, naming the decode node; the first token comes back
      as soon as it is sampled and is streamed to the client at once;
   3. if it did not end the request, relay the decode node's token chunks until the last.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import ssl
 from collections.abc import AsyncIterator
 
 import grpc
@@ -34,6 +37,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from protos.convert import logprob_from_proto, sampling_params_to_proto
 from protos.tls import open_channel
+from protos.token_stream import TokenStreamCall
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +50,8 @@ CACHED_PROMPT_TOKENS = Counter(
 
 class ClusterBackend:
     """Owns one gRPC channel per node address and the router's in-flight counts; with a cluster
-    secret, every call it makes carries it, and with `credentials` the channels are TLS."""
+    secret, every call it makes carries it, and with `credentials` the channels are TLS (and with
+    `ssl_context`, the token streams)."""
 
     def __init__(
         self,
@@ -55,10 +60,12 @@ class ClusterBackend:
         failover: FailoverPolicy | None = None,
         cluster_secret: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.registry = registry
         self._metadata = call_metadata(cluster_secret)
         self._credentials = credentials
+        self._ssl_context = ssl_context
         self.router = router or Router(registry)
         self.failover = failover or FailoverPolicy()
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -104,14 +111,14 @@ class ClusterBackend:
     async def _run(self, attempt: Attempt, route: Route) -> AsyncIterator[GenerationChunk]:
         rid, prompt, params = attempt.request_id, attempt.prompt_token_ids, attempt.params
         prefill, decode = route.prefill, route.decode
-        call = decode_pb2_grpc.DecodeServiceStub(self._channel(decode.address)).Generate(
+        call = self._generate_call(
+            decode,
             decode_pb2.GenerateRequest(
                 request_id=rid,
                 prompt_token_ids=prompt,
                 sampling_params=sampling_params_to_proto(params),
                 local_prefill=prefill is None,
             ),
-            metadata=self._metadata,
         )
         for node in route.nodes:
             ROUTED_REQUESTS.labels(node.role, node.node_id).inc()
@@ -148,6 +155,14 @@ class ClusterBackend:
         finally:
             call.cancel()  # no-op once finished; otherwise the decode node aborts and frees blocks
             lease.release()
+
+    def _generate_call(self, decode: NodeInfo, request: decode_pb2.GenerateRequest):
+        """The decode node's Generate stream: both kinds read alike and fail with AioRpcError."""
+        if decode.token_stream_address:
+            return TokenStreamCall(decode.token_stream_address, request, self._metadata, self._ssl_context)
+        return decode_pb2_grpc.DecodeServiceStub(self._channel(decode.address)).Generate(
+            request, metadata=self._metadata
+        )
 
     async def _prefill(self, prefill: NodeInfo, decode: NodeInfo, reserved, rid, prompt, params) -> GenerationChunk:
         stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(prefill.address))

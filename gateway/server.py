@@ -63,6 +63,7 @@ async def serve_cluster_gateway(settings: GatewaySettings) -> None:
         failover=FailoverPolicy(settings.router_max_attempts, settings.router_max_migrations),
         cluster_secret=settings.secret_value(),
         credentials=credentials,
+        ssl_context=settings.client_ssl_context(),
     )
     try:
         await serve_gateway(settings, AdmissionControl(backend, settings))

@@ -7,8 +7,9 @@ Lifecycle of a node:
      the engine is built (model load) in the main thread, which then runs the engine loop
      (torch's CPU kernels run multi-threaded there; a secondary thread got about 1.5x slower steps);
   2. a second thread runs the asyncio loop: the gRPC server with the service's servicers, marked
-     SERVING, the registration in Redis with heartbeats of the engine's load, and the
-     publication of the prefix cache's blocks to the cluster's KV index;
+     SERVING, a decode node's token stream (which the gateway reads tokens from), the
+     registration in Redis with heartbeats of the engine's load, and the publication of the
+     prefix cache's blocks to the cluster's KV index;
   3. on SIGTERM/SIGINT: mark its entry draining (routers send nothing new), report NOT_SERVING,
      let its open streams and transfers finish (--drain-s), leave the registry, stop the server
      (short grace), close the service, stop the engine loop.
@@ -61,6 +62,15 @@ class NodeService(Protocol):
         """Registers the role's servicers (on the event loop, before the server starts)."""
         ...
 
+    async def start_token_stream(self, host: str) -> int | None:
+        """Starts the decode roles' token stream on `host` (after add_to_server); its port, or None
+        when the node serves none."""
+        ...
+
+    async def stop_token_stream(self, grace_s: float) -> None:
+        """Stops it: calls still open after `grace_s` are cut (the gateway resumes them)."""
+        ...
+
     def kv_transfer_stats(self) -> KvTransferStats: ...
 
     async def close(self) -> None:
@@ -85,6 +95,9 @@ def node_service(role: NodeRole, settings: NodeSettings) -> NodeService:
         colocated,
         settings.device,
         settings.stream_interval,
+        settings.token_stream_port,
+        settings.secret_value(),
+        settings.server_ssl_context(),
     )
 
 
@@ -140,7 +153,10 @@ async def _serve(
         stop.set()
     server, health_servicer, port = await _start_grpc(settings, service, async_engine)
     host = advertised_host(settings.host, settings.advertise_host)
+    token_stream_port = await service.start_token_stream(settings.host)
     node_info = _node_info(role, settings, async_engine.engine, host, port)
+    if token_stream_port is not None:
+        node_info = node_info.model_copy(update={"token_stream_address": f"{host}:{token_stream_port}"})
     metrics.start(node_info.node_id, settings.host, settings.metrics_port, host)
     registration = NodeRegistration(
         settings.redis_url,
@@ -167,7 +183,7 @@ async def _serve(
     await _drain(async_engine, settings.drain_s)
     await kv_index.stop()
     await registration.stop()
-    await server.stop(grace=2.0)
+    await asyncio.gather(server.stop(grace=2.0), service.stop_token_stream(2.0))
     await service.close()
     metrics.stop()
 

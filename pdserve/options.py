@@ -134,6 +134,14 @@ class TokenStreamOptions(BaseModel):
         description="tokens per streamed chunk after the first (the last chunk may hold fewer): a larger value "
         "spends less CPU per token on gRPC, HTTP and the client, and delivers tokens in bursts",
     )
+    token_stream_port: int = Field(
+        0,
+        ge=-1,
+        le=65535,
+        description="decode nodes: the TCP port on --host of the token stream, which the gateway reads tokens from "
+        "at a fraction of gRPC's CPU per message (TLS and the cluster secret as for gRPC); 0 picks a free one, "
+        "-1 turns it off (the gateway then reads them over gRPC)",
+    )
 
 
 class NodeSettings(

@@ -75,6 +75,12 @@ class PrefillNodeService:
         self._servicer = PrefillServicer(async_engine, self._sender, self.pushes, leases, self.decode_nodes)
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self._servicer, server)
 
+    async def start_token_stream(self, host: str) -> int | None:
+        return None  # tokens stream from decode nodes only
+
+    async def stop_token_stream(self, grace_s: float) -> None:
+        pass
+
     def kv_transfer_stats(self) -> KvTransferStats:
         # A prefill node receives no pages: only its pushes count.
         servicer = self._servicer

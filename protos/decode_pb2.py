@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/decode.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\xa6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rlocal_prefill\x18\x04 \x01(\x08\x12\x19\n\rkv_timeout_ms\x18\x05 \x01(\x05\x42\x02\x18\x01\"l\n\x08Reserved\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\x05\x12\x19\n\x11reservation_token\x18\x07 \x01(\tJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"}\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\"n\n\x10GenerateResponse\x12(\n\x08reserved\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.ReservedH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x42\x07\n\x05\x65vent2X\n\rDecodeService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/decode.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\xa6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rlocal_prefill\x18\x04 \x01(\x08\x12\x19\n\rkv_timeout_ms\x18\x05 \x01(\x05\x42\x02\x18\x01\"l\n\x08Reserved\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\x05\x12\x19\n\x11reservation_token\x18\x07 \x01(\tJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"}\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\"n\n\x10GenerateResponse\x12(\n\x08reserved\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.ReservedH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x42\x07\n\x05\x65vent\"V\n\x0fTokenStreamOpen\x12\x15\n\rauthorization\x18\x01 \x01(\t\x12,\n\x07request\x18\x02 \x01(\x0b\x32\x1b.pdserve.v1.GenerateRequest\"2\n\x11TokenStreamStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"~\n\x10TokenStreamFrame\x12\x30\n\x08response\x18\x01 \x01(\x0b\x32\x1c.pdserve.v1.GenerateResponseH\x00\x12/\n\x06status\x18\x02 \x01(\x0b\x32\x1d.pdserve.v1.TokenStreamStatusH\x00\x42\x07\n\x05\x65vent2X\n\rDecodeService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,6 +42,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENCHUNK']._serialized_end=460
   _globals['_GENERATERESPONSE']._serialized_start=462
   _globals['_GENERATERESPONSE']._serialized_end=572
-  _globals['_DECODESERVICE']._serialized_start=574
-  _globals['_DECODESERVICE']._serialized_end=662
+  _globals['_TOKENSTREAMOPEN']._serialized_start=574
+  _globals['_TOKENSTREAMOPEN']._serialized_end=660
+  _globals['_TOKENSTREAMSTATUS']._serialized_start=662
+  _globals['_TOKENSTREAMSTATUS']._serialized_end=712
+  _globals['_TOKENSTREAMFRAME']._serialized_start=714
+  _globals['_TOKENSTREAMFRAME']._serialized_end=840
+  _globals['_DECODESERVICE']._serialized_start=842
+  _globals['_DECODESERVICE']._serialized_end=930
 # @@protoc_insertion_point(module_scope)

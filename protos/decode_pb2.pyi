@@ -50,3 +50,27 @@ class GenerateResponse(_message.Message):
     reserved: Reserved
     chunk: TokenChunk
     def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ...) -> None: ...
+
+class TokenStreamOpen(_message.Message):
+    __slots__ = ("authorization", "request")
+    AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    authorization: str
+    request: GenerateRequest
+    def __init__(self, authorization: _Optional[str] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
+
+class TokenStreamStatus(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class TokenStreamFrame(_message.Message):
+    __slots__ = ("response", "status")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    response: GenerateResponse
+    status: TokenStreamStatus
+    def __init__(self, response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., status: _Optional[_Union[TokenStreamStatus, _Mapping]] = ...) -> None: ...

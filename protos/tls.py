@@ -1,4 +1,5 @@
-"""Optional TLS for internal gRPC: the gateway and prefill nodes dialing nodes, nodes serving.
+"""Optional TLS for internal gRPC: the gateway and prefill nodes dialing nodes, nodes serving; the
+same files secure the decode nodes' token streams to the gateway (protos/token_stream.py).
 
 Every process of a cluster gets the same three paths (`--grpc-tls-cert`, `--grpc-tls-key`,
 `--grpc-tls-ca`, or `PDSERVE_<COMMAND>_GRPC_TLS_*`; `pdserve up` hands its own to its children):
@@ -14,6 +15,7 @@ It lives under protos/, the contract both sides import: kvtransfer may not impor
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -68,6 +70,28 @@ class GrpcTlsOptions(BaseModel):
             private_key=_read(self.grpc_tls_key),
             certificate_chain=_read(self.grpc_tls_cert),
         )
+
+    def server_ssl_context(self) -> ssl.SSLContext | None:
+        """The same as `server_credentials`, for a node's token stream (protos/token_stream.py)."""
+        if not self.tls_enabled:
+            return None
+        if self.grpc_tls_cert is None or self.grpc_tls_key is None:
+            raise ValueError("a node serving TLS needs --grpc-tls-cert and --grpc-tls-key")
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.grpc_tls_ca)
+        context.load_cert_chain(self.grpc_tls_cert, self.grpc_tls_key)
+        if self.grpc_tls_ca is not None:
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def client_ssl_context(self) -> ssl.SSLContext | None:
+        """The same as `channel_credentials`, for the gateway's token streams: the node's
+        certificate must name the host it advertises."""
+        if not self.tls_enabled:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.grpc_tls_ca)
+        if self.grpc_tls_cert is not None and self.grpc_tls_key is not None:
+            context.load_cert_chain(self.grpc_tls_cert, self.grpc_tls_key)
+        return context
 
 
 def open_channel(

@@ -91,6 +91,8 @@ class NodeInfo(BaseModel):
     role: NodeRole
     address: str  # "host:port" of the node's gRPC server
     metrics_address: str = ""  # "host:port" of its Prometheus /metrics ("": none)
+    # "host:port" of a decode node's token stream (protos/token_stream.py; "": read Generate over gRPC)
+    token_stream_address: str = ""
     model: str
     capacity: NodeCapacity
     load: EngineLoad = EngineLoad()  # the engine's own record, as its heartbeat last carried it

@@ -1,5 +1,7 @@
 """A decode and a prefill servicer on one in-process gRPC server over the fake KV transport, on
-the tiny model: what the decode and prefill servicer tests drive, the way the gateway does."""
+the tiny model: what the decode and prefill servicer tests drive, the way the gateway does. The
+decode servicer's Generate is also served on a token stream (decode_service/token_stream_server.py);
+`TRANSPORT` says which of the two `Pair.generate` calls (test_servicer.py runs its tests over both)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from decode_service.servicer import DecodeServicer
+from decode_service.token_stream_server import TokenStreamServer
 from kvtransfer.base import DEFAULT_LEASE_S, KvReceiver
 from kvtransfer.fake import FakeKvSender
 from kvtransfer.lease_keeper import LeaseKeeper
@@ -19,8 +22,11 @@ from pdserve.engine.scheduler import EngineLoad
 from prefill_service.servicer import KvPushes, PrefillServicer
 from protos import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from protos.convert import sampling_params_to_proto
+from protos.token_stream import TokenStreamCall
 
 NUM_BLOCKS = 32
+TRANSPORTS = ("grpc", "token_stream")
+TRANSPORT = "grpc"  # what Pair.generate uses
 
 
 @dataclass
@@ -32,11 +38,16 @@ class Pair:
     sender: FakeKvSender  # the prefill node's, delivering to `receiver` under the address "decode"
     prefill_servicer: PrefillServicer
     port: int
+    token_stream: TokenStreamServer
+    token_stream_port: int
     channel: grpc.aio.Channel | None = None
 
     def generate(self, rid: str, prompt: list[int], params: SamplingParams, **kw):
-        """The decode node's Generate stream (its first message is `reserved`)."""
-        return decode_pb2_grpc.DecodeServiceStub(self.channel).Generate(generate_request(rid, prompt, params, **kw))
+        """The decode node's Generate stream (its first message is `reserved`), over TRANSPORT."""
+        request = generate_request(rid, prompt, params, **kw)
+        if TRANSPORT == "token_stream":
+            return TokenStreamCall(f"127.0.0.1:{self.token_stream_port}", request)
+        return decode_pb2_grpc.DecodeServiceStub(self.channel).Generate(request)
 
     def prefill_call(self, rid: str, prompt: list[int], params: SamplingParams, reserved: decode_pb2.Reserved):
         request = prefill_pb2.PrefillRequest(
@@ -63,7 +74,12 @@ class Pair:
             if await engine.call(lambda e: e.load() != idle_load or e.scheduler.requests) or engine.num_open_streams:
                 return False
         servicer = self.prefill_servicer
-        return not (self.receiver.reservations or len(servicer.pushes) or servicer.leases.num_leases)
+        return not (
+            self.token_stream.num_open_calls
+            or self.receiver.reservations
+            or len(servicer.pushes)
+            or servicer.leases.num_leases
+        )
 
 
 def engine_for(path, layer_hook=None) -> AsyncEngine:
@@ -87,7 +103,9 @@ async def serve(
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(prefill_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    return Pair(server, decode, prefill, receiver, sender, prefill_servicer, port)
+    token_stream = TokenStreamServer(servicer)
+    token_stream_port = await token_stream.start("127.0.0.1", 0)
+    return Pair(server, decode, prefill, receiver, sender, prefill_servicer, port, token_stream, token_stream_port)
 
 
 def run(path, scenario, **serve_kw) -> None:
@@ -100,6 +118,7 @@ def run(path, scenario, **serve_kw) -> None:
                 pair.channel = channel
                 await scenario(pair)
         finally:
+            await pair.token_stream.stop(0)
             await pair.server.stop(0)
             await pair.prefill_servicer.close()
             pair.decode.stop()

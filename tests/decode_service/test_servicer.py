@@ -1,5 +1,6 @@
 """Decode and prefill servicers over real gRPC in one process, on the tiny model: the decode
-node's side of a request's life (reservation, wait for blocks, lease, stream, release)."""
+node's side of a request's life (reservation, wait for blocks, lease, stream, release). Every
+test runs twice: the gateway reading Generate over gRPC, and over the node's token stream."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import grpc
 import pytest
 
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from tests.decode_service import inprocess_pair
 from tests.decode_service.inprocess_pair import (
     NUM_BLOCKS,
     Pair,
@@ -17,6 +19,12 @@ from tests.decode_service.inprocess_pair import (
     free_blocks,
     run,
 )
+
+
+@pytest.fixture(autouse=True, params=inprocess_pair.TRANSPORTS)
+def transport(request, monkeypatch) -> str:
+    monkeypatch.setattr(inprocess_pair, "TRANSPORT", request.param)
+    return request.param
 
 
 def offline(tiny_llama_path) -> LLMEngine:

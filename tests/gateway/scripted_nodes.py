@@ -1,5 +1,7 @@
 """Scripted prefill and decode nodes (real gRPC servers in this process) and a ClusterBackend over
-them, for the gateway's retry and failover tests."""
+them, for the gateway's retry and failover tests. A scripted decode node also serves its Generate
+on a token stream (decode_service/token_stream_server.py), which it advertises when
+`DECODE_TRANSPORT` says so: test_cluster_backend.py runs its tests over both."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from contextlib import asynccontextmanager
 
 import grpc
 
+from decode_service.token_stream_server import TokenStreamServer
 from gateway.cluster_backend import ClusterBackend
 from gateway.failover import FailoverPolicy
 from gateway.router import Router
@@ -23,6 +26,8 @@ PROMPT = list(range(40))
 SCRIPT = list(range(100, 164))
 # Reservation name -> set once a prefill node "pushed" its pages (names are unique per reservation).
 PAGES_ARRIVED: dict[str, asyncio.Event] = {}
+TRANSPORTS = ("grpc", "token_stream")
+DECODE_TRANSPORT = "grpc"  # how the gateway reads the scripted decode nodes' Generate
 
 
 class ScriptedDecode(decode_pb2_grpc.DecodeServiceServicer):
@@ -121,9 +126,18 @@ class FixedRegistry:
         return sorted((n for n in self._nodes if role is None or n.role == role), key=lambda n: n.node_id)
 
 
-def node_info(node_id: str, role: str, address: str) -> NodeInfo:
+def node_info(node_id: str, role: str, address: str, token_stream_address: str = "") -> NodeInfo:
     capacity = NodeCapacity(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
-    return NodeInfo(node_id=node_id, role=role, address=address, model="m", capacity=capacity)
+    if DECODE_TRANSPORT != "token_stream":
+        token_stream_address = ""
+    return NodeInfo(
+        node_id=node_id,
+        role=role,
+        address=address,
+        model="m",
+        capacity=capacity,
+        token_stream_address=token_stream_address,
+    )
 
 
 def dead_address() -> str:
@@ -137,11 +151,11 @@ def dead_address() -> str:
 async def cluster(failover: FailoverPolicy | None = None, **servicers):
     """One gRPC server per scripted node (node_id -> servicer, or None for a dead node); yields
     the backend over them."""
-    servers, nodes = [], []
+    servers, token_streams, nodes = [], [], []
     for node_id, servicer in servicers.items():
         role = "prefill" if node_id.startswith("p") else "decode"
         if servicer is None:
-            nodes.append(node_info(node_id, role, dead_address()))
+            nodes.append(node_info(node_id, role, dead_address(), dead_address()))
             continue
         server = grpc.aio.server()
         add = prefill_pb2_grpc.add_PrefillServiceServicer_to_server if role == "prefill" else None
@@ -149,12 +163,18 @@ async def cluster(failover: FailoverPolicy | None = None, **servicers):
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         servers.append(server)
-        nodes.append(node_info(node_id, role, f"127.0.0.1:{port}"))
+        token_stream_address = ""
+        if role == "decode":
+            token_streams.append(TokenStreamServer(servicer))
+            token_stream_address = f"127.0.0.1:{await token_streams[-1].start('127.0.0.1', 0)}"
+        nodes.append(node_info(node_id, role, f"127.0.0.1:{port}", token_stream_address))
     backend = ClusterBackend(FixedRegistry(nodes), Router(FixedRegistry(nodes)), failover=failover)
     try:
         yield backend
     finally:
         await backend.close()
+        for token_stream in token_streams:
+            await token_stream.stop(0)
         for server in servers:
             await server.stop(0)
 

@@ -2,7 +2,8 @@
 a failed call is blamed on the node that made it, and only that node is routed around; a
 stream that breaks after tokens were sent resumes on other nodes with no gap or duplicate;
 attempts and migrations are bounded; and every attempt releases its place in the router's
-in-flight counts and its decode reservation."""
+in-flight counts and its decode reservation. Every test runs with the decode nodes read over gRPC
+and over their token streams."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from gateway.backend import BackendError, BackendErrorKind
 from gateway.failover import MIGRATIONS, FailoverPolicy
 from gateway.generation import ChoiceSpec, stream_choice
 from pdserve.engine.sampling_params import SamplingParams
+from tests.gateway import scripted_nodes
 from tests.gateway.scripted_nodes import (
     PROMPT,
     SCRIPT,
@@ -25,6 +27,12 @@ from tests.gateway.scripted_nodes import (
     generate,
     tokens,
 )
+
+
+@pytest.fixture(autouse=True, params=scripted_nodes.TRANSPORTS)
+def decode_transport(request, monkeypatch) -> str:
+    monkeypatch.setattr(scripted_nodes, "DECODE_TRANSPORT", request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("how", ["refuses", "dead"])

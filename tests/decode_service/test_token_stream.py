@@ -1,0 +1,143 @@
+"""The token stream (protos/token_stream.py, decode_service/token_stream_server.py) beyond what
+test_servicer.py runs over it: the cluster secret, TLS, a node stopping under open calls, a peer
+that sends garbage, and a node that is not there. The calls fail as grpc.aio's would, so the
+gateway's failover treats both transports alike."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+
+from decode_service.token_stream_server import TokenStreamServer
+from pdserve.cluster_state.secret import call_metadata
+from pdserve.engine import SamplingParams
+from protos import decode_pb2
+from protos.tls import GrpcTlsOptions
+from protos.token_stream import HEADER, TokenStreamCall, encode_frame, read_frame
+from tests.decode_service.inprocess_pair import Pair, generate_request, run
+from tests.factories import build_test_certificates
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "s3cret"
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+async def read_all(call) -> list[int]:
+    """The tokens of a colocated call, after its `reserved` message."""
+    assert (await call.read()).HasField("reserved")
+    tokens = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        tokens += message.chunk.token_ids
+    return tokens
+
+
+async def failure_code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    return error.value.code()
+
+
+def local_request(rid: str) -> decode_pb2.GenerateRequest:
+    return generate_request(rid, list(range(3, 30)), PARAMS, local_prefill=True)
+
+
+async def second_server(pair: Pair, **kw) -> tuple[TokenStreamServer, str]:
+    server = TokenStreamServer(pair.token_stream.servicer, **kw)
+    return server, f"127.0.0.1:{await server.start('127.0.0.1', 0)}"
+
+
+def test_a_node_with_a_secret_answers_only_calls_that_carry_it(tiny_llama_path):
+    async def scenario(pair: Pair):
+        server, address = await second_server(pair, secret=SECRET)
+        try:
+            assert (
+                await failure_code(TokenStreamCall(address, local_request("none"))) == grpc.StatusCode.UNAUTHENTICATED
+            )
+            wrong = TokenStreamCall(address, local_request("wrong"), call_metadata("not-it"))
+            assert await failure_code(wrong) == grpc.StatusCode.UNAUTHENTICATED
+            tokens = await read_all(TokenStreamCall(address, local_request("right"), call_metadata(SECRET)))
+            assert len(tokens) == PARAMS.max_tokens
+            assert await pair.is_idle()
+        finally:
+            await server.stop(0)
+
+    run(tiny_llama_path, scenario)
+
+
+def test_a_tls_node_serves_clients_of_its_ca_and_refuses_plaintext(tiny_llama_path, tmp_path):
+    paths = build_test_certificates(tmp_path / "ours")
+    tls = GrpcTlsOptions(grpc_tls_cert=paths["cert"], grpc_tls_key=paths["key"], grpc_tls_ca=paths["ca"])
+    other = build_test_certificates(tmp_path / "theirs", "other-ca")
+    stranger = GrpcTlsOptions(grpc_tls_cert=other["cert"], grpc_tls_key=other["key"], grpc_tls_ca=other["ca"])
+
+    async def scenario(pair: Pair):
+        server, address = await second_server(pair, ssl_context=tls.server_ssl_context())
+        try:
+            call = TokenStreamCall(address, local_request("tls"), ssl_context=tls.client_ssl_context())
+            assert len(await read_all(call)) == PARAMS.max_tokens
+            assert await failure_code(TokenStreamCall(address, local_request("plain"))) == grpc.StatusCode.UNAVAILABLE
+            foreign = TokenStreamCall(address, local_request("foreign"), ssl_context=stranger.client_ssl_context())
+            assert await failure_code(foreign) == grpc.StatusCode.UNAVAILABLE
+            assert await pair.is_idle()
+        finally:
+            await server.stop(0)
+
+    run(tiny_llama_path, scenario)
+
+
+def test_stopping_the_node_cuts_open_calls_and_frees_their_blocks(tiny_llama_path):
+    async def scenario(pair: Pair):
+        server, address = await second_server(pair)
+        long_request = generate_request("long", list(range(40)), SamplingParams(max_tokens=400, ignore_eos=True))
+        long_request.local_prefill = True
+        call = TokenStreamCall(address, long_request)
+        await call.read()  # reserved
+        await call.read()  # the first tokens: it is in the batch
+        await server.stop(grace_s=0.2)
+        assert await failure_code(call) == grpc.StatusCode.UNAVAILABLE  # no status frame: the gateway fails over
+        assert server.num_open_calls == 0
+        assert await pair.is_idle()
+
+    run(tiny_llama_path, scenario)
+
+
+def test_a_peer_that_sends_garbage_is_closed_and_the_node_serves_on(tiny_llama_path):
+    async def scenario(pair: Pair):
+        reader, writer = await asyncio.open_connection("127.0.0.1", pair.token_stream_port)
+        writer.write(HEADER.pack(5) + b"\xff\xff\xff\xff\xff")  # not a TokenStreamOpen
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed without an answer
+        writer.close()
+        tokens = await read_all(TokenStreamCall(f"127.0.0.1:{pair.token_stream_port}", local_request("after")))
+        assert len(tokens) == PARAMS.max_tokens
+        assert await pair.is_idle()
+
+    run(tiny_llama_path, scenario)
+
+
+def test_a_bad_request_ends_with_invalid_argument_in_a_status_frame(tiny_llama_path):
+    async def scenario(pair: Pair):
+        request = local_request("bad")
+        request.sampling_params.top_p = 5.0  # outside (0, 1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", pair.token_stream_port)
+        writer.write(encode_frame(decode_pb2.TokenStreamOpen(request=request)))
+        frame = await asyncio.wait_for(read_frame(reader, decode_pb2.TokenStreamFrame), 5)
+        assert frame.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert await read_frame(reader, decode_pb2.TokenStreamFrame) is None  # then the node closes
+        writer.close()
+        assert await pair.is_idle()
+
+    run(tiny_llama_path, scenario)
+
+
+def test_a_node_that_is_not_there_fails_the_call_unavailable():
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    call = TokenStreamCall(address, local_request("gone"))
+    assert asyncio.run(failure_code(call)) == grpc.StatusCode.UNAVAILABLE
