@@ -38,7 +38,7 @@ RUN pdserve fetch-model --model "${MODEL}"
 COPY deploy/node_healthcheck.py /opt/pdserve/node_healthcheck.py
 WORKDIR /home/pdserve
 ENV PDSERVE_NODE_HOST=0.0.0.0 PDSERVE_NODE_PORT=50051 PDSERVE_NODE_ADVERTISE_HOST=auto PDSERVE_NODE_MODEL=${MODEL}
-EXPOSE 50051
+EXPOSE 50051 50052
 # pdserve is PID 1 (exec form): SIGTERM reaches it and the node leaves the registry before exiting.
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=5s --timeout=5s --start-period=120s --retries=3 CMD ["python", "/opt/pdserve/node_healthcheck.py"]

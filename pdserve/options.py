@@ -19,7 +19,7 @@ import typing
 from collections.abc import Collection
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -229,6 +229,15 @@ class UpSettings(
     redis_url: str | None = Field(None, description="use this Redis instead of starting an embedded one")
     log_dir: str | None = Field(None, description="keep each child's log here; default: a temporary folder")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up if the cluster is not serving by then")
+
+    @model_validator(mode="after")
+    def _one_token_stream_port_per_decode_node(self) -> UpSettings:
+        if self.token_stream_port > 0 and not self.colocated and self.decode > 1:
+            raise ValueError(
+                f"--token-stream-port {self.token_stream_port} would be taken by each of {self.decode} decode nodes "
+                "on this machine: give 0 (a free port each) or -1 (over gRPC)"
+            )
+        return self
 
 
 def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], only: Collection[str] = ()) -> None:

@@ -20,6 +20,8 @@ from pdserve.cluster_state.registry import KEY_PREFIX, NodeCapacity, NodeInfo
 from pdserve.cluster_state.secret import sign_entry
 from pdserve.engine.scheduler import EngineLoad
 from pdserve.launcher import Launcher
+from protos import decode_pb2
+from protos.token_stream import TokenStreamCall
 from tests.e2e.helpers import e2e_plan, gateway_num_nodes, wait_until
 from tests.factories import build_tiny_chat_model
 from tests.faults.helpers import node_infos
@@ -101,8 +103,13 @@ def test_node_rpcs_without_the_secret_are_unauthenticated(cluster):
                 assert error.code() == grpc.StatusCode.UNAUTHENTICATED
             else:
                 raise AssertionError(f"{method} on {info.node_id} accepted a wrong secret")
-    # With the secret the same kind of call gets through to the servicer (an empty renewal is harmless).
     decode = next(info for info in nodes.values() if info.role == "decode")
+    for metadata in ((), wrong):  # the token stream, where the gateway reads Generate, checks it too
+        call = TokenStreamCall(decode.token_stream_address, decode_pb2.GenerateRequest(request_id="x"), metadata)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            asyncio.run(call.read())
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # With the secret the same kind of call gets through to the servicer (an empty renewal is harmless).
     with grpc.insecure_channel(decode.address) as channel:
         renew = channel.unary_unary("/pdserve.v1.KvTransferService/RenewLeases")
         renew(b"", timeout=10, metadata=[("authorization", f"Bearer {SECRET}")])

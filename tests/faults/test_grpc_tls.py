@@ -1,8 +1,10 @@
 """TLS on internal gRPC through real processes (issue 12): a cluster whose gateway and nodes get
 the same certificate and CA serves a chat completion, gateway -> prefill -> decode all over mutual
-TLS, and a node's port refuses a plaintext client."""
+TLS, and a node's port (gRPC, and the decode node's token stream) refuses a plaintext client."""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import httpx
@@ -12,6 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster_state.registry import KEY_PREFIX, NodeInfo
 from pdserve.launcher import Launcher
+from protos import decode_pb2
+from protos.token_stream import TokenStreamCall
 from tests.e2e.helpers import e2e_plan
 from tests.factories import build_test_certificates, build_tiny_chat_model
 
@@ -45,3 +49,14 @@ def test_a_tls_node_refuses_a_plaintext_client(cluster):
         with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as refused:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_tls_decode_node_serves_its_token_stream_to_tls_clients_only(cluster):
+    client = redis.Redis.from_url(cluster.redis_url)
+    nodes = [NodeInfo.from_json(client.get(key)) for key in client.scan_iter(f"{KEY_PREFIX}*")]
+    (decode,) = [node for node in nodes if node.role == "decode"]
+    assert decode.token_stream_address  # the gateway read the chat completion's tokens from it
+    call = TokenStreamCall(decode.token_stream_address, decode_pb2.GenerateRequest(request_id="plaintext"))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        asyncio.run(call.read())
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -127,3 +127,15 @@ def test_up_hands_its_stream_interval_to_every_node(monkeypatch):
     assert {spec.role for spec in node_specs} == {"prefill", "decode"}
     for spec in node_specs:
         assert parse(NodeSettings, list(spec.extra_args)).stream_interval == 4
+
+
+def test_up_hands_its_token_stream_port_to_every_node_and_refuses_one_port_for_many(monkeypatch, capsys):
+    plans = []
+    monkeypatch.setattr("pdserve.launcher.run_up", lambda plan: plans.append(plan) or 0)
+    run_cluster(parse(UpSettings, ["--token-stream-port", "-1"]))
+    (decode,) = [spec for spec in plans[0].child_specs("redis://r:1/0") if spec.role == "decode"]
+    assert parse(NodeSettings, list(decode.extra_args)).token_stream_port == -1
+    assert parse(NodeSettings, []).token_stream_port == 0  # on, on a free port, by default
+    with pytest.raises(SystemExit):
+        parse(UpSettings, ["--decode", "2", "--token-stream-port", "50052"])
+    assert "give 0 (a free port each) or -1" in capsys.readouterr().err
