@@ -6,7 +6,6 @@ gateway's failover treats both transports alike."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 import pytest
@@ -19,6 +18,7 @@ from protos.tls import GrpcTlsOptions
 from protos.token_stream import HEADER, TokenStreamCall, encode_frame, read_frame
 from tests.decode_service.inprocess_pair import Pair, generate_request, run
 from tests.factories import build_test_certificates
+from tests.gateway.scripted_nodes import dead_address
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -136,8 +136,5 @@ def test_a_bad_request_ends_with_invalid_argument_in_a_status_frame(tiny_llama_p
 
 
 def test_a_node_that_is_not_there_fails_the_call_unavailable():
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
-    call = TokenStreamCall(address, local_request("gone"))
+    call = TokenStreamCall(dead_address(), local_request("gone"))
     assert asyncio.run(failure_code(call)) == grpc.StatusCode.UNAVAILABLE
