@@ -148,7 +148,8 @@ class ModelRunner:
         hidden = self._run_model(ordered, input_ids, positions, slots, after_layer)
         if not sampled:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_index, device=self.device)])
+        compute_logits = self.decode_stack.compute_logits if self.decode_stack else self.model.compute_logits
+        logits = compute_logits(hidden[torch.tensor(logits_index, device=self.device)])
         params = [s.request.sampling_params for s in sampled]
         seeds = [self._seed(s.request.request_id, s.request.sampling_params.seed) for s in sampled]
         # The index of the token each row samples, counting outputs sent before a resumed stream began.

@@ -50,6 +50,7 @@ def compile_flags() -> list[str]:
 
 
 SOURCES = (
+    "dense_gemv.cpp",
     "quantized_gemv.cpp",
     "int8_panels.cpp",
     "int4_panels.cpp",

@@ -36,7 +36,7 @@ struct Linear {
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor y = kind == Kind::kDense  ? at::linear(x, weights[0])
+    torch::Tensor y = kind == Kind::kDense  ? dense_linear(x, weights[0])
                       : kind == Kind::kInt8 ? int8_linear(x, weights[0], weights[1])
                                             : int4_linear(x, weights[0], weights[1], weights[2]);
     if (bias) y.add_(*bias);

@@ -136,6 +136,8 @@ inline T* cache_data(const torch::Tensor& cache) {
   return static_cast<T*>(cache.data_ptr());
 }
 
+// dense_gemv.cpp: float32 weights, at::linear's result (rounded differently) for any x
+torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight);
 // quantized_gemv.cpp
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,

@@ -10,6 +10,7 @@ import torch
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.cpu_kernels import cpu_kernels
+from pdserve.engine.models import cpu_decode
 from tests.factories import build_tiny_model
 
 PROMPTS = [[5, 9, 2, 7], [11] * 20, list(range(1, 40))]
@@ -31,6 +32,7 @@ def generate(engine: LLMEngine, max_tokens: int = 12):
 class CountedStack:
     def __init__(self, stack) -> None:
         self.stack, self.max_batch, self.calls = stack, stack.max_batch, 0
+        self.compute_logits = stack.compute_logits
 
     def __call__(self, *args):
         self.calls += 1
@@ -112,6 +114,25 @@ def test_steps_with_a_prefill_chunk_keep_the_module_path(tmp_path):
     assert stack.calls == 0
     engine.step()  # both decode
     assert stack.calls == 1
+
+
+def test_a_float32_lm_head_goes_through_the_kernels_gemv_for_every_step(tmp_path, monkeypatch):
+    class CountedKernels:
+        def __init__(self) -> None:
+            self.dense_rows: list[int] = []
+
+        def __getattr__(self, name):
+            return getattr(cpu_kernels(), name)
+
+        def dense_linear(self, x, weight):
+            self.dense_rows.append(x.shape[0])
+            return cpu_kernels().dense_linear(x, weight)
+
+    engine = tiny_engine(build_tiny_model(tmp_path), "none")
+    counted = CountedKernels()
+    monkeypatch.setattr(cpu_decode, "cpu_kernels", lambda: counted)
+    generate(engine, max_tokens=4)
+    assert counted.dense_rows == [3, 3, 3, 3]  # the prefill's last tokens, then 3 decode steps
 
 
 def test_other_backends_and_dtypes_have_no_stack(tmp_path):

@@ -18,6 +18,7 @@ KERNEL_TESTS = [
     "tests/pdserve/engine/test_quantization.py",
     "tests/pdserve/engine/test_cpu_attention.py",
     "tests/pdserve/engine/test_cpu_decode.py",
+    "tests/pdserve/engine/test_dense_gemv.py",
 ]
 AVX2_ENV = {"PDSERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
