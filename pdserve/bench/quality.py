@@ -12,7 +12,10 @@ For each `--quantization` mode against float32, on the same weights:
     step ms        the offline decode step at batch 1 (median over `--tokens` steps)
     floor ms       that step's weight-streaming floor: the bytes of weights one step reads
                    (projections and LM head; the embedding reads one row) over the memory
-                   read bandwidth measured here (a sum over 1 GiB)
+                   read bandwidth (a sum over 1 GiB), measured right before and right after
+                   that mode's steps: on a shared cloud host it moved from 38 to 73 GB/s
+                   between runs minutes apart (AMD EPYC Zen 5), so one figure per run made
+                   the floors of its later modes guesses
 
     pdserve bench quality [--model M] [--modes none,int8,int4] [--tokens 32] [--attention-backend cpu]
                           [--kv-cache-dtype float16] [--json F]
@@ -174,14 +177,15 @@ def measure(
     prompts = [reference.tokenizer(p)["input_ids"] for p in PROMPTS]
     reference_tokens = greedy(reference, prompts, num_tokens)
     reference_ppl = perplexity(reference, PERPLEXITY_TEXT)
-    bandwidth = read_bandwidth_gbps()
     results = {}
     for mode in modes:
         same_as_reference = (mode, attention_backend) == ("none", "torch") and kv_cache_dtype in ("auto", "float32")
         engine = reference if same_as_reference else engine_for(mode)
         tokens = greedy(engine, prompts, num_tokens)
         ppl = perplexity(engine, PERPLEXITY_TEXT)
+        bandwidth_before = read_bandwidth_gbps()
         step_ms = decode_step_ms(engine, prompts[0], num_tokens)
+        bandwidth = (bandwidth_before + read_bandwidth_gbps()) / 2
         weight_bytes = weight_bytes_per_step(engine)
         results[mode] = {
             "agreement": teacher_forced_agreement(reference, engine, prompts, reference_tokens),
@@ -190,6 +194,7 @@ def measure(
             "perplexity": ppl,
             "perplexity_ratio": ppl / reference_ppl,
             "step_ms": step_ms,
+            "read_bandwidth_gbps": bandwidth,
             "floor_ms": weight_bytes / (bandwidth * 1e9) * 1000,
             "weight_mb": weight_bytes / 1e6,
         }
@@ -200,7 +205,6 @@ def measure(
         "threads": torch.get_num_threads(),
         "attention_backend": attention_backend,
         "kv_cache_dtype": kv_cache_dtype,
-        "read_bandwidth_gbps": bandwidth,
         "cpu": platform.processor() or platform.machine(),
         "modes": results,
     }
@@ -208,18 +212,19 @@ def measure(
 
 def format_table(report: dict) -> str:
     lines = [
-        f"{report['num_prompts']} prompts x {report['tokens']} greedy tokens; memory "
-        f"{report['read_bandwidth_gbps']:.1f} GB/s read; {report['threads']} threads; "
+        f"{report['num_prompts']} prompts x {report['tokens']} greedy tokens; {report['threads']} threads; "
         f"--attention-backend {report['attention_backend']}; --kv-cache-dtype {report['kv_cache_dtype']}",
-        "| mode | agreement | identical sequences | first divergence | perplexity (ratio) | step ms | floor ms |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | agreement | identical sequences | first divergence | perplexity (ratio) | step ms | read GB/s "
+        "| floor ms | step / floor |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, r in report["modes"].items():
         diverged = [d for d in r["first_divergence"] if d is not None]
         first = f"min {min(diverged)}" if diverged else "none"
         lines.append(
             f"| {mode} | {r['agreement']:.1%} | {r['identical_sequences']}/{report['num_prompts']} | {first} "
-            f"| {r['perplexity']:.3f} ({r['perplexity_ratio']:.4f}) | {r['step_ms']:.1f} | {r['floor_ms']:.1f} |"
+            f"| {r['perplexity']:.3f} ({r['perplexity_ratio']:.4f}) | {r['step_ms']:.1f} "
+            f"| {r['read_bandwidth_gbps']:.1f} | {r['floor_ms']:.1f} | {r['step_ms'] / r['floor_ms']:.2f} |"
         )
     return "\n".join(lines)
 
