@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from pdserve.engine.attention import BatchLayout, get_attention_backend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KvCacheSpec, KvCacheStorage, bytes_per_block, kv_caches_over
-from pdserve.engine.models.cpu_decode import CpuDecodeStack
+from pdserve.engine.models.cpu_decode import CpuDecodeStack, use_kernel_linears
 from pdserve.engine.models.llama import LlamaModel, load_hf_weights, rotary_tables
 from pdserve.engine.quantization import quantize_linears
 from pdserve.engine.request import TokenLogprob
@@ -62,6 +62,8 @@ class ModelRunner:
             if config.attention_backend == "cpu" and CpuDecodeStack.supports(self.model, self.device, self.dtype)
             else None
         )
+        if self.decode_stack is not None:
+            use_kernel_linears(self.model)  # prefill chunks' float32 products too
         self.decode_graphs = self._capture_decode_graphs(config, hf_config)
         self.sampler = Sampler()
         self.seed_generator = torch.Generator().manual_seed(config.seed)

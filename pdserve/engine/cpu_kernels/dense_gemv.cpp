@@ -1,16 +1,20 @@
-// Float32 weights against a few rows of x (float32 decode steps): y = x @ W.T, W streamed once.
+// Float32 weights against rows of x: y = x @ W.T (float32 decode steps and prefill chunks).
 //
-// torch's at::linear sends one row of x to MKL's sgemv, which on an AMD EPYC (Zen 5, 2 cores)
-// streamed a 576 x 49152 LM head at 11 GB/s, with two threads no faster than one, against the
-// 38.5 GB/s the machine reads: a float32 decode step took 40.8 ms against a 14.1 ms weight floor
+// torch's at::linear sends float32 products to MKL, whose kernels on an AMD EPYC (Zen 5, 2 cores)
+// are its AVX2 "zen" ones: one row of x streamed a 576 x 49152 LM head at 11 GB/s, with two
+// threads no faster than one, against the 38.5 GB/s the machine reads (a float32 decode step took
+// 40.8 ms against a 14.1 ms weight floor), and 32 to 256 rows ran 140-215 GFLOP/s
 // (docs/benchmarks.md, "fourteenth pass"). Here each thread takes a range of output rows, four
-// weight rows at a time, with the rows ahead prefetched, and each loaded vector of x feeds four
-// fused multiply-adds.
+// weight rows at a time, with the rows ahead prefetched, and passes every row of x over them in
+// tiles: a tile of 4 rows of x against the 4 weight rows keeps 16 accumulators in registers, so
+// each loaded vector feeds four fused multiply-adds (x) or one per row of the tile (weights).
+// That ran 1.3-2.1x MKL's rate from 4 rows to 256 on that machine (230-340 GFLOP/s).
 //
-// Every output is the same sum in the same order whatever the batch and the thread count (lanes
-// of one vector width along K, the tail masked, then the lanes' sum), so a sequence's logits do
-// not change with what it is batched with. That order is not MKL's, so results differ from
-// at::linear's by rounding (~1e-6 relative): DESIGN.md's near-tie rule covers greedy outputs.
+// Every output is the same sum in the same order whatever the batch, its tiling and the thread
+// count (lanes of one vector width along K, the tail masked, then the lanes' sum), so a
+// sequence's logits do not change with what it is batched with. That order is not MKL's, so
+// results differ from at::linear's by rounding (~1e-6 relative): DESIGN.md's near-tie rule
+// covers greedy outputs.
 #include "kernels.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -52,42 +56,78 @@ inline float vsum(Vec v) {
 constexpr int64_t kWidth = 0;  // no vector path: at::linear serves
 #endif
 
-// Rows of x up to this many go through these loops; more go to at::linear, whose blocked GEMM
-// reuses each loaded weight across rows of x in registers, which a dot-product loop cannot.
-constexpr int64_t kMaxRows = 8;
+// Rows of x per pass over the weights: a block's rows (144 KiB at K = 576, 384 KiB at 1536) stay
+// in L2 while every group of four weight rows passes over them from L1.
+constexpr int64_t kBlockRows = 64;
+// Rows of x that share each loaded vector of weights: 4 x 4 accumulators, four weight vectors
+// and one of x take 21 of AVX-512's 32 registers; AVX2's 16 hold 2 x 4 (13).
+#if defined(__AVX512F__)
+constexpr int64_t kTileRows = 4;
+#else
+constexpr int64_t kTileRows = 2;
+#endif
 // Weight rows asked for ahead of use: float32 rows are 4x int8's bytes, so fewer rows cover the
 // same distance in bytes as quantized_gemv.cpp's 8.
 constexpr int64_t kPrefetchRows = 4;
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// Four weight rows against one row of x: four chains share each load of x.
-inline void dot_rows4(const float* x, const float* const* w, int64_t K, float* out) {
-  Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+// R rows of x against four weight rows: R x 4 chains, each loaded vector of x feeding four fused
+// multiply-adds and each vector of weights R. Every chain is one output's sum in one fixed order
+// (vector lanes along K, the tail masked, then the lanes' sum), whatever R is.
+template <int R>
+inline void dot_tile(const float* const* x, const float* const* w, int64_t K, float* out) {
+  Vec acc[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = vzero();
   int64_t k = 0;
   for (; k + kWidth <= K; k += kWidth) {
-    Vec xv = vload(x + k);
-    in_register(xv);
-    a0 = vfma(vload(w[0] + k), xv, a0);
-    a1 = vfma(vload(w[1] + k), xv, a1);
-    a2 = vfma(vload(w[2] + k), xv, a2);
-    a3 = vfma(vload(w[3] + k), xv, a3);
+    Vec w0 = vload(w[0] + k), w1 = vload(w[1] + k), w2 = vload(w[2] + k), w3 = vload(w[3] + k);
+    in_register(w0);
+    in_register(w1);
+    in_register(w2);
+    in_register(w3);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = vload(x[r] + k);
+      acc[r][0] = vfma(w0, xv, acc[r][0]);
+      acc[r][1] = vfma(w1, xv, acc[r][1]);
+      acc[r][2] = vfma(w2, xv, acc[r][2]);
+      acc[r][3] = vfma(w3, xv, acc[r][3]);
+    }
   }
   if (k < K) {
     const Mask mask = tail_mask(K - k);
-    const Vec xv = vload_tail(x + k, mask);
-    a0 = vfma(vload_tail(w[0] + k, mask), xv, a0);
-    a1 = vfma(vload_tail(w[1] + k, mask), xv, a1);
-    a2 = vfma(vload_tail(w[2] + k, mask), xv, a2);
-    a3 = vfma(vload_tail(w[3] + k, mask), xv, a3);
+    const Vec w0 = vload_tail(w[0] + k, mask), w1 = vload_tail(w[1] + k, mask);
+    const Vec w2 = vload_tail(w[2] + k, mask), w3 = vload_tail(w[3] + k, mask);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = vload_tail(x[r] + k, mask);
+      acc[r][0] = vfma(w0, xv, acc[r][0]);
+      acc[r][1] = vfma(w1, xv, acc[r][1]);
+      acc[r][2] = vfma(w2, xv, acc[r][2]);
+      acc[r][3] = vfma(w3, xv, acc[r][3]);
+    }
   }
-  out[0] = vsum(a0);
-  out[1] = vsum(a1);
-  out[2] = vsum(a2);
-  out[3] = vsum(a3);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < 4; ++i) out[r * 4 + i] = vsum(acc[r][i]);
+  }
+}
+
+// Rows [m, m + count) of x against four weight rows, count <= kTileRows.
+inline void dot_rows(const float* const* x, int64_t count, const float* const* w, int64_t K, float* out) {
+  switch (count) {
+    case 1: return dot_tile<1>(x, w, K, out);
+    case 2: return dot_tile<2>(x, w, K, out);
+#if defined(__AVX512F__)
+    case 3: return dot_tile<3>(x, w, K, out);
+    case 4: return dot_tile<4>(x, w, K, out);
+#endif
+  }
 }
 
 // Output rows [begin, end) for every row of x: four weight rows at a time (a tail of fewer
-// repeats its last row), each group read from memory once and from L1 by the later rows of x.
+// repeats its last row), each group read from memory once and from L1 by every tile of x rows.
 void dense_rows(const float* xs, const float* ws, float* ys, int64_t M, int64_t N, int64_t K, int64_t begin,
                 int64_t end) {
   for (int64_t n = begin; n < end; n += 4) {
@@ -95,10 +135,15 @@ void dense_rows(const float* xs, const float* ws, float* ys, int64_t M, int64_t 
     if (n + 4 + kPrefetchRows <= end) prefetch_rows(ws + (n + kPrefetchRows) * K, 4 * K * 4);
     const float* rows[4];
     for (int i = 0; i < 4; ++i) rows[i] = ws + (n + std::min<int64_t>(i, count - 1)) * K;
-    for (int64_t m = 0; m < M; ++m) {
-      float dots[4];
-      dot_rows4(xs + m * K, rows, K, dots);
-      for (int64_t i = 0; i < count; ++i) ys[m * N + n + i] = dots[i];
+    for (int64_t m = 0; m < M; m += kTileRows) {
+      const int64_t tile = std::min(kTileRows, M - m);
+      const float* x[kTileRows];
+      for (int64_t r = 0; r < tile; ++r) x[r] = xs + (m + r) * K;
+      float dots[kTileRows * 4];
+      dot_rows(x, tile, rows, K, dots);
+      for (int64_t r = 0; r < tile; ++r) {
+        for (int64_t i = 0; i < count; ++i) ys[(m + r) * N + n + i] = dots[r * 4 + i];
+      }
     }
   }
 }
@@ -107,7 +152,7 @@ void dense_rows(const float* xs, const float* ws, float* ys, int64_t M, int64_t 
 }  // namespace
 
 torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight) {
-  const bool ours = kWidth > 0 && x.dim() == 2 && x.size(0) <= kMaxRows && x.scalar_type() == torch::kFloat32 &&
+  const bool ours = kWidth > 0 && x.dim() == 2 && x.scalar_type() == torch::kFloat32 &&
                     weight.scalar_type() == torch::kFloat32 && x.is_contiguous() && weight.is_contiguous() &&
                     weight.dim() == 2 && x.size(1) == weight.size(1) && x.device().is_cpu();
   if (!ours) return at::linear(x, weight);
@@ -117,7 +162,12 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight) 
   const float* xs = x.data_ptr<float>();
   const float* ws = weight.data_ptr<float>();
   float* ys = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { dense_rows(xs, ws, ys, M, N, K, begin, end); });
+  for (int64_t m = 0; m < M; m += kBlockRows) {
+    const int64_t rows = std::min(kBlockRows, M - m);
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      dense_rows(xs + m * K, ws, ys + m * N, rows, N, K, begin, end);
+    });
+  }
   return y;
 #else
   return at::linear(x, weight);

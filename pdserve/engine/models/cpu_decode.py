@@ -7,6 +7,9 @@ the same computation to cpu_kernels/decode_stack.cpp, which runs every layer as 
 around the GEMV and paged-attention kernels. Steps with prefill chunks keep the module path.
 A float32 LM head (no --quantization) goes through the kernels' float32 GEMV too: torch's own
 at::linear (MKL's sgemv) streamed it at 11 GB/s on an AMD EPYC Zen 5, 9.6 of a 40.8 ms step.
+For the same reason `use_kernel_linears` sends the float32 projections of the steps the stack
+does not run (prefill chunks) to that kernel: MKL ran 140-215 GFLOP/s there from 32 rows to 256,
+the kernel 230-340 (docs/benchmarks.md, "fourteenth pass").
 
 The stack holds references to the model's weights and KV caches, not copies: it is built once,
 after quantization, and reads whatever those tensors hold.
@@ -63,6 +66,35 @@ class CpuDecodeStack:
         if isinstance(self._lm_head, nn.Linear) and self._lm_head.bias is None:
             return cpu_kernels().dense_linear(hidden.contiguous(), self._lm_head.weight)
         return self._lm_head(hidden).float()
+
+
+class KernelLinear(nn.Linear):
+    """An nn.Linear on float32 CPU weights whose products run cpu_kernels' `dense_linear`; it
+    shares the Parameters of the layer it replaces."""
+
+    @classmethod
+    def sharing(cls, linear: nn.Linear) -> KernelLinear:
+        with torch.device("meta"):
+            kernel_linear = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        kernel_linear.weight, kernel_linear.bias = linear.weight, linear.bias
+        return kernel_linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        y = cpu_kernels().dense_linear(rows, self.weight).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def use_kernel_linears(model: LlamaModel) -> None:
+    """Replaces the layers' float32 nn.Linear projections (not quantized ones) with KernelLinear."""
+    for layer in model.layers:
+        for parent, name in _PROJECTIONS:
+            module = getattr(getattr(layer, parent), name)
+            if type(module) is nn.Linear and module.weight.dtype == torch.float32:
+                setattr(getattr(layer, parent), name, KernelLinear.sharing(module))
+
+
+_PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
 
 def _linear(module: nn.Module):

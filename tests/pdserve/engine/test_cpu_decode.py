@@ -116,23 +116,50 @@ def test_steps_with_a_prefill_chunk_keep_the_module_path(tmp_path):
     assert stack.calls == 1
 
 
+class CountedKernels:
+    """cpu_kernels() with each dense_linear call's rows recorded by the weight it multiplies."""
+
+    def __init__(self) -> None:
+        self.dense_rows: dict[int, list[int]] = {}
+
+    def __getattr__(self, name):
+        return getattr(cpu_kernels(), name)
+
+    def dense_linear(self, x, weight):
+        self.dense_rows.setdefault(weight.data_ptr(), []).append(x.shape[0])
+        return cpu_kernels().dense_linear(x, weight)
+
+
 def test_a_float32_lm_head_goes_through_the_kernels_gemv_for_every_step(tmp_path, monkeypatch):
-    class CountedKernels:
-        def __init__(self) -> None:
-            self.dense_rows: list[int] = []
-
-        def __getattr__(self, name):
-            return getattr(cpu_kernels(), name)
-
-        def dense_linear(self, x, weight):
-            self.dense_rows.append(x.shape[0])
-            return cpu_kernels().dense_linear(x, weight)
-
     engine = tiny_engine(build_tiny_model(tmp_path), "none")
     counted = CountedKernels()
     monkeypatch.setattr(cpu_decode, "cpu_kernels", lambda: counted)
     generate(engine, max_tokens=4)
-    assert counted.dense_rows == [3, 3, 3, 3]  # the prefill's last tokens, then 3 decode steps
+    lm_head = engine.model_runner.model.lm_head.weight.data_ptr()
+    assert counted.dense_rows[lm_head] == [3, 3, 3, 3]  # the prefill's last tokens, then 3 decode steps
+
+
+def test_float32_prefill_projections_go_through_the_kernels_gemm(tmp_path, monkeypatch):
+    engine = tiny_engine(build_tiny_model(tmp_path), "none")
+    model = engine.model_runner.model
+    projections = [
+        p for layer in model.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                              layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]  # fmt: skip
+    assert all(isinstance(p, cpu_decode.KernelLinear) for p in projections)
+    counted = CountedKernels()
+    monkeypatch.setattr(cpu_decode, "cpu_kernels", lambda: counted)
+    generate(engine, max_tokens=1)  # one step: the three prompts' prefill
+    prompt_tokens = sum(len(p) for p in PROMPTS)
+    assert all(counted.dense_rows[p.weight.data_ptr()] == [prompt_tokens] for p in projections)
+
+
+def test_quantized_and_other_backends_keep_their_own_projections(tmp_path):
+    folder = build_tiny_model(tmp_path)
+    quantized = tiny_engine(folder, "int8").model_runner.model.layers[0].mlp.down_proj
+    assert not isinstance(quantized, cpu_decode.KernelLinear)
+    torch_backend = LLMEngine(EngineConfig(model=str(folder), attention_backend="torch"))
+    assert type(torch_backend.model_runner.model.layers[0].mlp.down_proj) is torch.nn.Linear
 
 
 def test_other_backends_and_dtypes_have_no_stack(tmp_path):

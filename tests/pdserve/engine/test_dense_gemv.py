@@ -1,5 +1,6 @@
 """The float32 GEMV of cpu_kernels/dense_gemv.cpp (`dense_linear`), which the decode stack uses
-for dense projections and the LM head: at::linear's products up to rounding, for any shape, the
+for dense projections and the LM head, and `--attention-backend cpu`'s prefill chunks for their
+float32 projections: at::linear's products up to rounding, for any shape and number of rows, the
 same value for a row whatever it is batched with, and at::linear itself where it does not apply."""
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ import torch.nn.functional as F
 
 from pdserve.engine.cpu_kernels import cpu_kernels
 
-MAX_KERNEL_ROWS = 8  # dense_gemv.cpp's kMaxRows
+BLOCK_ROWS = 64  # dense_gemv.cpp's kBlockRows: rows of x per pass over the weights
 
 
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 8, 9, 33])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 8, 9, 33, BLOCK_ROWS, BLOCK_ROWS + 3, 210])
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 576), (7, 40), (130, 1536), (5, 3)])
 def test_dense_linear_is_at_linear_up_to_rounding(num_rows, out_features, in_features):
     torch.manual_seed(num_rows * 1000 + out_features + in_features)
@@ -28,7 +29,9 @@ def test_dense_linear_is_at_linear_up_to_rounding(num_rows, out_features, in_fea
 
 def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count():
     torch.manual_seed(3)
-    x = torch.randn(MAX_KERNEL_ROWS, 600)  # 600: a masked tail after the last whole vector
+    # 600: a masked tail after the last whole vector; 2 blocks and a tail of rows, in tiles of 4
+    # (AVX-512) or 2 (AVX2) with a partial last tile; 258 outputs: a partial last group of weights
+    x = torch.randn(2 * BLOCK_ROWS + 7, 600)
     weight = torch.randn(258, 600)
     batched = cpu_kernels().dense_linear(x, weight)
     threads = torch.get_num_threads()
