@@ -13,10 +13,13 @@ decode node puts it in a shared-memory segment that same-host prefill nodes writ
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from pdserve.engine.huge_pages import empty_on_huge_pages
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,11 @@ class LocalKvCacheStorage:
     """The default: the cache in this process's memory (or on its device)."""
 
     def allocate(self, spec: KvCacheSpec) -> torch.Tensor:
-        return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
+        if torch.device(spec.device).type != "cpu":
+            return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
+        # A step reads its sequences' blocks wherever they lie: huge pages spare the TLB misses.
+        num_bytes = math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size()
+        return empty_on_huge_pages(num_bytes).zero_().view(spec.dtype).view(spec.shape)
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from pdserve.engine.attention import BatchLayout, get_attention_backend
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.huge_pages import move_to_huge_pages
 from pdserve.engine.kv_cache import KvCacheSpec, KvCacheStorage, bytes_per_block, kv_caches_over
 from pdserve.engine.models.cpu_decode import CpuDecodeStack, use_kernel_linears
 from pdserve.engine.models.llama import LlamaModel, load_hf_weights, rotary_tables
@@ -92,6 +93,8 @@ class ModelRunner:
         load_hf_weights(model, tensors)
         model = model.to(self.dtype).eval()
         quantize_linears(model, config.quantization)
+        if self.device.type == "cpu":
+            move_to_huge_pages(model)
         return model
 
     def _capture_decode_graphs(self, config: EngineConfig, hf_config: PretrainedConfig):
