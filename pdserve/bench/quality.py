@@ -12,10 +12,10 @@ For each `--quantization` mode against float32, on the same weights:
     step ms        the offline decode step at batch 1 (median over `--tokens` steps)
     floor ms       that step's weight-streaming floor: the bytes of weights one step reads
                    (projections and LM head; the embedding reads one row) over the memory
-                   read bandwidth (a sum over 1 GiB), measured right before and right after
-                   that mode's steps: on a shared cloud host it moved from 38 to 73 GB/s
-                   between runs minutes apart (AMD EPYC Zen 5), so one figure per run made
-                   the floors of its later modes guesses
+                   read bandwidth (a sum over 1 GiB on huge pages, where the weights lie),
+                   measured right before and right after that mode's steps: on a shared cloud
+                   host it moved from 38 to 73 GB/s between runs minutes apart (AMD EPYC Zen 5),
+                   so one figure per run made the floors of its later modes guesses
 
     pdserve bench quality [--model M] [--modes none,int8,int4] [--tokens 32] [--attention-backend cpu]
                           [--kv-cache-dtype float16] [--json F]
@@ -38,6 +38,7 @@ import torch
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.attention import BatchLayout
 from pdserve.engine.config import KV_CACHE_DTYPES, CacheConfig
+from pdserve.engine.huge_pages import empty_on_huge_pages
 from pdserve.engine.kv_cache import KvCacheSpec, LocalKvCacheStorage, kv_caches_over
 
 PROMPTS = [
@@ -153,8 +154,9 @@ def weight_bytes_per_step(engine: LLMEngine) -> int:
 
 
 def read_bandwidth_gbps(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes read per second by a sum over a tensor far larger than the caches (torch's threads)."""
-    source = torch.ones(num_bytes // 4)
+    """Bytes read per second by a sum over a tensor far larger than the caches (torch's threads),
+    on huge pages as the engine's weights are: on 4 KiB pages a VM's TLB misses halved it (Zen 4)."""
+    source = empty_on_huge_pages(num_bytes).view(torch.float32).fill_(1.0)
     source.sum()
     best = min(_timed(source.sum) for _ in range(repeats))
     return num_bytes / best / 1e9
