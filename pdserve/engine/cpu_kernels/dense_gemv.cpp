@@ -58,13 +58,8 @@ inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vload_tail(const float* p, Mask mask) { return _mm256_maskload_ps(p, mask); }
 inline Vec vfma(Vec a, Vec b, Vec acc) { return _mm256_fmadd_ps(a, b, acc); }
-inline float vsum(Vec v) {
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  half = _mm_add_ss(half, _mm_movehdup_ps(half));
-  return _mm_cvtss_f32(half);
-}
-// vsum of four vectors at once, in vsum's order (lanes i and i + 4, then i and i + 2, then 0 and 1).
+// The lane sums of four vectors at once, each in one order (lanes i and i + 4, then i and i + 2,
+// then 0 and 1).
 inline void vsum4(Vec a, Vec b, Vec c, Vec d, float* out) {
   const Vec ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
   const Vec cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
