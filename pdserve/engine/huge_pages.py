@@ -43,32 +43,28 @@ def empty_on_huge_pages(num_bytes: int) -> torch.Tensor:
 def move_to_huge_pages(module: nn.Module) -> int:
     """Copies `module`'s CPU parameters and buffers of at least MIN_TENSOR_BYTES, in module order
     (the order a forward pass reads them), into one arena on huge pages. Parameters keep their
-    identity (tied weights stay tied); buffers are replaced. Returns the bytes moved."""
-    tensors: dict[int, torch.Tensor] = {}  # data_ptr -> tensor: a tensor under two names moves once
+    identity (tied weights stay tied); buffers are replaced. Each original is let go as soon as
+    its copy is made, so the peak is the weights plus one tensor, not twice the weights.
+    Returns the bytes moved."""
+    offsets, offset = {}, 0  # data_ptr -> its place: a tensor under two names moves once
     for tensor in [*module.parameters(), *module.buffers()]:
-        if _worth_moving(tensor):
-            tensors.setdefault(tensor.data_ptr(), tensor)
-    offsets, offset = {}, 0
-    for data_ptr, tensor in tensors.items():
-        offsets[data_ptr] = offset
-        offset += tensor.nbytes + (-tensor.nbytes % ALIGN_BYTES)
-    if not tensors:
+        if _worth_moving(tensor) and tensor.data_ptr() not in offsets:
+            offsets[tensor.data_ptr()] = offset
+            offset += tensor.nbytes + (-tensor.nbytes % ALIGN_BYTES)
+    if not offsets:
         return 0
     arena = empty_on_huge_pages(offset)
-    copies = {
-        data_ptr: arena[offsets[data_ptr] : offsets[data_ptr] + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
-        for data_ptr, t in tensors.items()
-    }
     for owner in module.modules():
         for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]:
-            copy = copies.get(tensor.data_ptr()) if tensor is not None else None
-            if copy is None:
+            start = offsets.pop(tensor.data_ptr(), None) if tensor is not None else None
+            if start is None:
                 continue  # not moved, or a tied parameter already moved under its other name
+            copy = arena[start : start + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
             if isinstance(tensor, nn.Parameter):
                 tensor.data = copy
             else:
                 owner._buffers[name] = copy
-    logger.info("weights on huge pages: %.1f MiB in %d tensors", offset / 2**20, len(tensors))
+    logger.info("weights on huge pages: %.1f MiB", offset / 2**20)
     return offset
 
 

@@ -50,6 +50,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         check_backend_fits_device(config.attention_backend, self.device, self.block_size)
         self.model = self._load_model(config, model_path, hf_config)
+        if self.device.type == "cpu":  # after the loaded checkpoint is gone: one copy at a time
+            move_to_huge_pages(self.model)
         self.model.triton_ops = config.attention_backend == "triton"
         self.num_blocks = config.cache.num_blocks or self._num_blocks_for(self._kv_cache_bytes(config), hf_config)
         attn = self.model.layers[0].self_attn
@@ -93,8 +95,6 @@ class ModelRunner:
         load_hf_weights(model, tensors)
         model = model.to(self.dtype).eval()
         quantize_linears(model, config.quantization)
-        if self.device.type == "cpu":
-            move_to_huge_pages(model)
         return model
 
     def _capture_decode_graphs(self, config: EngineConfig, hf_config: PretrainedConfig):
