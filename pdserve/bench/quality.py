@@ -156,7 +156,7 @@ def weight_bytes_per_step(engine: LLMEngine) -> int:
 def read_bandwidth_gbps(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes read per second by a sum over a tensor far larger than the caches (torch's threads),
     on huge pages as the engine's weights are: on 4 KiB pages a VM's TLB misses halved it (Zen 4)."""
-    source = empty_on_huge_pages(num_bytes).view(torch.float32).fill_(1.0)
+    source = empty_on_huge_pages((num_bytes // 4,), torch.float32).fill_(1.0)
     source.sum()
     best = min(_timed(source.sum) for _ in range(repeats))
     return num_bytes / best / 1e9

@@ -13,6 +13,7 @@ MADV_HUGEPAGE before their first touch; the kernel then backs them with huge pag
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 
 import torch
@@ -27,17 +28,20 @@ ALIGN_BYTES = 64
 MIN_TENSOR_BYTES = 64 << 10
 
 
-def empty_on_huge_pages(num_bytes: int) -> torch.Tensor:
-    """An uninitialized uint8 CPU tensor of `num_bytes` whose memory starts on a huge page
-    boundary and is advised MADV_HUGEPAGE; its mapping lives as long as the tensor's storage."""
+def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory starts on a huge page boundary and is advised
+    MADV_HUGEPAGE; its mapping lives as long as the tensor's storage. Anonymous memory comes
+    zeroed from the kernel, page by page as it is first touched."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     # Private: a shared anonymous mapping is shmem, which THP backs only as shmem_enabled says.
     # Anonymous mappings are page-aligned, not huge-page-aligned: map one huge page more and start
     # at the first boundary inside.
     mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -_address_of(mapping) % HUGE_PAGE_BYTES
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE, start, num_bytes + (-num_bytes % HUGE_PAGE_BYTES))
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes, offset=start)
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    start = -_address_of(mapping) % HUGE_PAGE_BYTES
+    flat = torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes, offset=start)
+    return flat.view(dtype).view(shape)
 
 
 def move_to_huge_pages(module: nn.Module) -> int:
@@ -53,11 +57,10 @@ def move_to_huge_pages(module: nn.Module) -> int:
             offset += tensor.nbytes + (-tensor.nbytes % ALIGN_BYTES)
     if not offsets:
         return 0
-    arena = empty_on_huge_pages(offset)
+    arena = empty_on_huge_pages((offset,))
     for owner in module.modules():
         for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]:
-            start = offsets.pop(tensor.data_ptr(), None) if tensor is not None else None
-            if start is None:
+            if tensor is None or (start := offsets.pop(tensor.data_ptr(), None)) is None:
                 continue  # not moved, or a tied parameter already moved under its other name
             copy = arena[start : start + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
             if isinstance(tensor, nn.Parameter):

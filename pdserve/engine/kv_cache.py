@@ -13,7 +13,6 @@ decode node puts it in a shared-memory segment that same-host prefill nodes writ
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,8 +53,9 @@ class LocalKvCacheStorage:
         if torch.device(spec.device).type != "cpu":
             return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
         # A step reads its sequences' blocks wherever they lie: huge pages spare the TLB misses.
-        num_bytes = math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size()
-        return empty_on_huge_pages(num_bytes).zero_().view(spec.dtype).view(spec.shape)
+        # Written once now, as torch.zeros did: the cache's memory is taken (and backed by huge
+        # pages) at start-up, not at the first write to each page in the middle of serving.
+        return empty_on_huge_pages(spec.shape, spec.dtype).zero_()
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

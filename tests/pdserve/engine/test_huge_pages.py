@@ -43,7 +43,7 @@ class TiedModel(nn.Module):
 
 
 def test_an_empty_tensor_starts_on_a_huge_page_boundary():
-    tensor = empty_on_huge_pages(3 * HUGE_PAGE_BYTES + 5)
+    tensor = empty_on_huge_pages((3 * HUGE_PAGE_BYTES + 5,))
     assert tensor.dtype == torch.uint8 and tensor.numel() == 3 * HUGE_PAGE_BYTES + 5
     assert tensor.data_ptr() % HUGE_PAGE_BYTES == 0
     tensor.fill_(7)
