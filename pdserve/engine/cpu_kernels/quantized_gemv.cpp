@@ -115,6 +115,7 @@ inline IVec zero() { return _mm512_setzero_si512(); }
 inline IVec load(const int16_t* x) { return _mm512_loadu_si512(x); }
 inline IVec widen(const int8_t* w) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))); }
 inline IVec multiply_add(IVec acc, IVec a, IVec b) { return _mm512_dpwssd_epi32(acc, a, b); }
+inline IVec add(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
 inline float lane_sum(IVec acc) { return _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc)); }
 #elif defined(__AVX2__)
 constexpr int64_t kIntWidth = 16;
@@ -123,6 +124,7 @@ inline IVec zero() { return _mm256_setzero_si256(); }
 inline IVec load(const int16_t* x) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)); }
 inline IVec widen(const int8_t* w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))); }
 inline IVec multiply_add(IVec acc, IVec a, IVec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+inline IVec add(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
 inline float horizontal_sum(__m256 lanes) {  // the int4 loops below sum their float lanes with it too
   __m128 half = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
   half = _mm_add_ps(half, _mm_movehl_ps(half, half));
@@ -137,6 +139,7 @@ inline IVec zero() { return 0; }
 inline IVec load(const int16_t*) { return 0; }
 inline IVec widen(const int8_t*) { return 0; }
 inline IVec multiply_add(IVec, IVec, IVec) { return 0; }
+inline IVec add(IVec, IVec) { return 0; }
 inline float lane_sum(IVec) { return 0.f; }
 #endif
 
@@ -195,18 +198,30 @@ inline void dot_int16(const int16_t* const* a, const int16_t* const* b, int64_t 
   }
 }
 
-// One row of x against four weight rows, widened in registers as they stream by.
-inline void dot_int8_rows4(const int16_t* x, const int8_t* const* w, int64_t K, float* out) {
-  for (int i = 0; i < 4; ++i) out[i] = 0.f;
+// Batch 1 reads a thread's weight rows one at a time, in address order (one stream per thread),
+// and asks for the bytes kPrefetchBytes ahead of the row it starts. On two Zen 4 cores, a step's
+// int8 matrices (cycled, beyond L3, each call on two threads) took 1.05-1.09x the time of a plain
+// sum over the same bytes this way; four rows at a time with the rows 8 ahead (4.6 KB at K = 576)
+// took 1.15-1.33x, 4 KB ahead 1.14-1.31x, 12-24 KB ahead 1.07-1.13x (docs/benchmarks.md,
+// "sixteenth pass").
+constexpr int64_t kPrefetchBytes = 8192;
+
+// One row of x against one weight row, widened in registers as it streams by: two chains of
+// multiply-adds, whose int32 lanes add exactly, so the result is that of a single chain.
+inline float dot_int8_row(const int16_t* x, const int8_t* w, int64_t K) {
+  float total = 0.f;
   for (int64_t start = 0; start < K; start += kIntChunk) {
-    IVec lanes[4] = {zero(), zero(), zero(), zero()};
-    for (int64_t k = start; k < std::min(K, start + kIntChunk); k += kIntWidth) {
-      IVec xv = load(x + k);
-      in_register(xv);
-      for (int i = 0; i < 4; ++i) lanes[i] = multiply_add(lanes[i], xv, widen(w[i] + k));
+    const int64_t stop = std::min(K, start + kIntChunk);
+    IVec even = zero(), odd = zero();
+    int64_t k = start;
+    for (; k + 2 * kIntWidth <= stop; k += 2 * kIntWidth) {
+      even = multiply_add(even, load(x + k), widen(w + k));
+      odd = multiply_add(odd, load(x + k + kIntWidth), widen(w + k + kIntWidth));
     }
-    for (int i = 0; i < 4; ++i) out[i] += lane_sum(lanes[i]);
+    if (k < stop) even = multiply_add(even, load(x + k), widen(w + k));
+    total += lane_sum(add(even, odd));
   }
+  return total;
 }
 
 // Four rows of x against two weight rows: eight chains, and each loaded vector feeds two or four
@@ -277,12 +292,12 @@ static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* 
     std::vector<int16_t> wide(K);
     const int16_t* wide_row = wide.data();
     int64_t n = begin;
-    for (; M == 1 && n + 4 <= end; n += 4) {  // batch 1: four weight rows at a time
-      const int8_t* rows[4] = {qs + n * K, qs + (n + 1) * K, qs + (n + 2) * K, qs + (n + 3) * K};
-      if (n + 4 + kPrefetchRows <= end) prefetch_rows<PrefetchTo::kL2>(rows[0] + kPrefetchRows * K, 4 * K);
-      float dots[4];
-      dot_int8_rows4(xq.data(), rows, K, dots);
-      for (int i = 0; i < 4; ++i) ys[n + i] = dots[i] * x_scales[0] * scales[n + i];
+    const int8_t* range_end = qs + end * K;
+    for (; M == 1 && n < end; ++n) {  // batch 1: one stream of weight rows
+      const int8_t* row = qs + n * K;
+      const int8_t* ahead = row + kPrefetchBytes;
+      if (ahead < range_end) prefetch_rows<PrefetchTo::kL2>(ahead, std::min<int64_t>(K, range_end - ahead));
+      ys[n] = dot_int8_row(xq.data(), row, K) * x_scales[0] * scales[n];
     }
     if (M >= 4) {  // a batch below the panels (AVX-512: any): pairs of weight rows, x blocks in L2
       const int64_t pairs_end = begin + (end - begin) / 2 * 2;
@@ -297,7 +312,7 @@ static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* 
       }
       n = pairs_end;
     }
-    for (; n < end; ++n) {  // a decode batch (and batch 1's last rows): widen once, read by every row of x
+    for (; n < end; ++n) {  // a decode batch: widen once, read by every row of x
       const int8_t* row = qs + n * K;
       if (n + kPrefetchRows < end) prefetch_rows(row + kPrefetchRows * K, K);
       for (int64_t k = 0; k < K; ++k) wide[k] = row[k];
