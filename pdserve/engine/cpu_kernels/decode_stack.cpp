@@ -102,7 +102,8 @@ void rotate(float* rows, int64_t row_stride, const int64_t* positions, int64_t M
   }
 }
 
-// silu(gate) * up for rows laid out [gate | up].
+// silu(gate) * up for rows laid out [gate | up], vectorized (vector_exp): with std::exp, a scalar
+// call per element, the default model's 30 layers took 0.2 ms of a 7 ms int8 step here.
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = torch::empty({M, I}, gate_up.options());
@@ -112,7 +113,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
     const float* g = gu + m * 2 * I;
     const float* u = g + I;
 #pragma omp simd
-    for (int64_t i = 0; i < I; ++i) os[m * I + i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    for (int64_t i = 0; i < I; ++i) os[m * I + i] = g[i] / (1.f + vector_exp(-g[i])) * u[i];
   }
   return out;
 }

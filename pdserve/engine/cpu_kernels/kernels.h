@@ -4,7 +4,10 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace pdserve {
@@ -33,6 +36,23 @@ inline void prefetch_rows(const void* begin, int64_t bytes) {
 template <typename T>
 inline void in_register(T& v) {
   if constexpr (!std::is_arithmetic_v<T>) __asm__("" : "+v"(v));
+}
+
+// exp(x) in a form the compiler vectorizes (std::exp is a scalar call without -ffast-math):
+// exp(x) = 2^n * e^r with n = round(x / ln 2) and |r| <= ln(2) / 2, e^r by its Taylor series to
+// r^6 (relative error below 2e-7, about one float ulp). x is clamped to [-87, 88], where 2^n stays
+// a normal float: below, the result is 1.6e-38 where exp underflows; above, 1.7e38 where it
+// overflows (silu's g / (1 + exp(-g)) is then -5e-37 * |g| / 88, not -0).
+inline float vector_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::nearbyint(x * 1.44269504f);
+  const float r = x - n * 0.693147181f;
+  const float p =
+      1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
 #if defined(__AVX2__)

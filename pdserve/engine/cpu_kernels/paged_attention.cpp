@@ -36,21 +36,6 @@ namespace {
 constexpr int64_t kChunkTokens = 64;
 constexpr int64_t kMaxHeadDim = 256;  // a 16-bit cache row converts into a buffer of this size
 
-// exp(x) for the softmax's x <= 0, in a form the compiler vectorizes (std::exp is a scalar call
-// without -ffast-math): exp(x) = 2^n * e^r with n = round(x / ln 2) and |r| <= ln(2) / 2, e^r by
-// its Taylor series to r^6 (relative error below 2e-7, about one float ulp).
-inline float softmax_exp(float x) {
-  x = std::max(x, -87.0f);  // 2^n stays a normal float
-  const float n = std::nearbyint(x * 1.44269504f);
-  const float r = x - n * 0.693147181f;
-  const float p =
-      1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // Token rows ahead of the one being read: blocks lie anywhere, and a new block is a new stream
 // for the hardware prefetcher.
 constexpr int64_t kPrefetchTokens = 4;
@@ -80,7 +65,7 @@ inline void chunk_softmax(float* scores, int64_t H, int64_t n, float* max, float
     const float peak = *std::max_element(row, row + n);
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < n; ++i) total += (row[i] = softmax_exp(row[i] - peak));
+    for (int64_t i = 0; i < n; ++i) total += (row[i] = vector_exp(row[i] - peak));
     max[h] = peak;
     sum[h] = total;
   }
