@@ -9,7 +9,10 @@ For each `--quantization` mode against float32, on the same weights:
     first diverge  free-running greedy: per prompt, the index of the first token where the mode's
                    own generation leaves float32's (none: identical for all `--tokens`)
     perplexity     on a fixed English text, and its ratio to float32's
-    step ms        the offline decode step at batch 1 (median over `--tokens` steps)
+    step ms        the offline decode step at batch 1, greedy as every load of `pdserve bench
+                   compare` (median over `--tokens` steps); a sampled token (temperature 1)
+                   adds its softmax and draw over the vocabulary, 0.2-0.6 ms per step on two
+                   Zen 4 cores, which no weight bytes account for
     floor ms       that step's weight-streaming floor: the bytes of weights one step reads
                    (projections and LM head; the embedding reads one row) over the memory
                    read bandwidth (a sum over 1 GiB on huge pages, where the weights lie),
@@ -129,8 +132,9 @@ def perplexity(engine: LLMEngine, text: str) -> float:
 
 
 def decode_step_ms(engine: LLMEngine, prompt: list[int], num_tokens: int) -> float:
-    """Median time of one decode step at batch 1 (the engine's own loop, after the prefill)."""
-    engine.add_request("step-timing", prompt, SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True))
+    """Median time of one greedy decode step at batch 1 (the engine's own loop, after the prefill)."""
+    params = SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True, temperature=0.0)
+    engine.add_request("step-timing", prompt, params)
     engine.step()  # the prefill
     times = []
     while engine.has_unfinished_requests:
