@@ -42,7 +42,7 @@ inline void in_register(T& v) {
 // exp(x) = 2^n * e^r with n = round(x / ln 2) and |r| <= ln(2) / 2, e^r by its Taylor series to
 // r^6 (relative error below 2e-7, about one float ulp). x is clamped to [-87, 88], where 2^n stays
 // a normal float: below, the result is 1.6e-38 where exp underflows; above, 1.7e38 where it
-// overflows (silu's g / (1 + exp(-g)) is then -5e-37 * |g| / 88, not -0).
+// overflows (so silu(g) = g / (1 + exp(-g)) for g below -88 is g / 1.7e38, not -0).
 inline float vector_exp(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float n = std::nearbyint(x * 1.44269504f);
