@@ -1,8 +1,8 @@
 // Decode attention over the paged KV cache, reading each sequence's blocks where they lie: no
 // gather of the whole context into a padded tensor, no mask.
 //
-// Work is split by context, not by head: one task takes a chunk of kChunkTokens positions of one
-// sequence and computes every query head over it (GQA: query head h reads KV head h / group),
+// Work is split by context, not by head: one task takes a chunk of at most kChunkTokens positions of
+// one sequence and computes every query head over it (GQA: query head h reads KV head h / group),
 // leaving a partial softmax (its max, its sum and its unnormalized output per head); a second
 // pass merges each sequence's chunks. A chunk reads whole token rows (all KV heads, contiguous
 // within a block), in order. The first version gave each (sequence, KV head) its own task, which
@@ -34,6 +34,9 @@ namespace pdserve {
 namespace {
 
 constexpr int64_t kChunkTokens = 64;
+// Fewer positions per thread than this run on one: a parallel region costs more than it saves
+// (a 12-token context: 7.0 us split, 6.9 whole; 20 tokens: 7.9 and 8.2, on a 2-core Zen 4).
+constexpr int64_t kMinSharePositions = 8;
 constexpr int64_t kMaxHeadDim = 256;  // a 16-bit cache row converts into a buffer of this size
 
 // Token rows ahead of the one being read: blocks lie anywhere, and a new block is a new stream
@@ -246,6 +249,48 @@ void attend_chunk_vectorized(const float* q, const T* ks, const T* vs, const int
 }
 #endif
 
+// A piece [t0, t1) of one sequence's context: one task.
+struct Chunk {
+  int64_t sequence, t0, t1;
+};
+
+// The tasks of a batch and the threads' shares of them. Lay every sequence's positions end to end
+// (S in all): share i of n takes positions [i * S / n, (i + 1) * S / n), cut at sequence ends and
+// every kChunkTokens, so that each thread reads the same number of KV rows. Cutting each sequence
+// into whole chunks of kChunkTokens instead left a batch of one sequence shorter than a chunk on
+// one thread while the other waited, and gave one thread 3 chunks against 2 at 300 tokens: at
+// batch 1 on a 2-core Zen 4 this split takes 0.80x the time at 40 tokens, 0.65x at 130, 0.83x at
+// 300, and the same at 1000 and at batches of 4-32 (docs/benchmarks.md, eighteenth pass).
+// Tasks are in (sequence, position) order: sequence b's are first_task_of_sequence[b] ..
+// first_task_of_sequence[b + 1] - 1.
+struct ChunkPlan {
+  std::vector<Chunk> tasks;
+  std::vector<int64_t> first_task_of_share, first_task_of_sequence;
+};
+
+ChunkPlan plan_chunks(const int64_t* context, int64_t B, int64_t num_shares) {
+  ChunkPlan plan;
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += context[b];
+  num_shares = std::max<int64_t>(1, std::min(num_shares, total / kMinSharePositions));
+  plan.first_task_of_sequence.assign(B + 1, 0);
+  int64_t b = 0, sequence_start = 0, position = 0;  // position: in the end-to-end layout
+  for (int64_t share = 0; share < num_shares; ++share) {
+    plan.first_task_of_share.push_back(static_cast<int64_t>(plan.tasks.size()));
+    const int64_t share_end = (share + 1) * total / num_shares;
+    while (position < share_end) {
+      while (position >= sequence_start + context[b]) sequence_start += context[b++];
+      const int64_t end = std::min({share_end, sequence_start + context[b], position + kChunkTokens});
+      plan.tasks.push_back({b, position - sequence_start, end - sequence_start});
+      position = end;
+    }
+  }
+  plan.first_task_of_share.push_back(static_cast<int64_t>(plan.tasks.size()));
+  for (const Chunk& chunk : plan.tasks) ++plan.first_task_of_sequence[chunk.sequence + 1];
+  for (int64_t i = 0; i < B; ++i) plan.first_task_of_sequence[i + 1] += plan.first_task_of_sequence[i];
+  return plan;
+}
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
@@ -272,15 +317,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const int64_t* table = tables.data_ptr<int64_t>();
   const int64_t* context = lens.data_ptr<int64_t>();
 
-  // Chunks of sequence b are tasks first_task[b] .. first_task[b + 1] - 1.
-  std::vector<int64_t> first_task(B + 1, 0), task_sequence;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(context[b] >= 1 && context[b] <= max_blocks * block_size, "context length out of range");
-    const int64_t chunks = (context[b] + kChunkTokens - 1) / kChunkTokens;
-    first_task[b + 1] = first_task[b] + chunks;
-    task_sequence.insert(task_sequence.end(), chunks, b);
   }
-  const int64_t num_tasks = first_task[B];
+  const ChunkPlan plan = plan_chunks(context, B, at::get_num_threads());
+  const int64_t num_tasks = static_cast<int64_t>(plan.tasks.size());
   std::vector<float> chunk_max(num_tasks * H), chunk_sum(num_tasks * H), chunk_acc(num_tasks * H * D);
   const float* qs = q.data_ptr<float>();
   const float softmax_scale = static_cast<float>(scale);
@@ -289,12 +330,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
     using T = decltype(element);
     const T* ks = cache_data<T>(k_cache);
     const T* vs = cache_data<T>(v_cache);
-    at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t num_shares = static_cast<int64_t>(plan.first_task_of_share.size()) - 1;
+    at::parallel_for(0, num_shares, 1, [&](int64_t share_begin, int64_t share_end) {
       std::vector<float> scores;
       std::vector<const T*> rows;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task_sequence[task];
-        const int64_t t0 = (task - first_task[b]) * kChunkTokens, t1 = std::min(context[b], t0 + kChunkTokens);
+      for (int64_t task = plan.first_task_of_share[share_begin]; task < plan.first_task_of_share[share_end]; ++task) {
+        const Chunk& chunk = plan.tasks[task];
+        const int64_t b = chunk.sequence;
         float *max = chunk_max.data() + task * H, *sum = chunk_sum.data() + task * H;
         float* acc = chunk_acc.data() + task * H * D;
         const float* qb = qs + b * H * D;
@@ -302,14 +344,15 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
 #ifdef PDSERVE_VECTORIZED_ATTENTION
         if (D == 64 || D == 128) {
           const auto attend = D == 64 ? attend_chunk_vectorized<64, T> : attend_chunk_vectorized<128, T>;
-          attend(qb, ks, vs, blocks, t0, t1, shapes, softmax_scale, scores, rows, max, sum, acc);
+          attend(qb, ks, vs, blocks, chunk.t0, chunk.t1, shapes, softmax_scale, scores, rows, max, sum, acc);
           continue;
         }
 #endif
-        attend_chunk<T>(qb, ks, vs, blocks, t0, t1, shapes, softmax_scale, scores, max, sum, acc);
+        attend_chunk<T>(qb, ks, vs, blocks, chunk.t0, chunk.t1, shapes, softmax_scale, scores, max, sum, acc);
       }
     });
   });
+  const std::vector<int64_t>& first_task = plan.first_task_of_sequence;
 
   // Merge: out = sum_i acc_i * exp(max_i - max) / sum_i sum_i * exp(max_i - max).
   auto out = torch::empty_like(q);

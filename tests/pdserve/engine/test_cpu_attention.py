@@ -64,6 +64,24 @@ def test_in_place_decode_attention_equals_the_torch_backend(
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("context_lens", [[130], [20], [9, 2], [1, 1, 1], [70, 5, 200]])
+def test_every_thread_count_splits_the_context_without_changing_the_result(context_lens, num_threads):
+    # The kernel gives each thread an equal share of all positions laid end to end, cut inside a
+    # sequence where a share ends: the pieces must merge back into the same softmax.
+    layout, (q, k, v), cache = decode_batch(context_lens, 9, 3, 16)
+    outputs = []
+    previous = torch.get_num_threads()
+    try:
+        for name in ("torch", "cpu"):
+            torch.set_num_threads(num_threads if name == "cpu" else previous)
+            backend = get_attention_backend(name, 9, 3, 64)
+            outputs.append(backend.forward(q, k, v, tuple(c.clone() for c in cache), backend.prepare(layout)))
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
 def test_16_bit_caches_are_read_in_place_as_the_torch_backend_reads_them(
