@@ -14,7 +14,9 @@ Lifecycle of one Generate stream:
      UNAVAILABLE; the caller picks no deadline (the deprecated `kv_timeout_ms` is ignored);
   3. join the continuous batch at the next step boundary and stream the sampled tokens, a chunk
      per `stream_interval` tokens (the first and the last at once), the last chunk with its
-     finish reason; the request leaves the batch as it finishes.
+     finish reason; the request leaves the batch as it finishes. On a token stream whose context
+     has `write_response`, the engine thread writes the chunks itself, and this call only waits
+     for the last one (AsyncEngine.write_directly).
 However the call ends (done, failed, cancelled at any point), its blocks and its reservation
 in the receiver are released, and the next waiter for blocks is woken. A request id is served
 by one call at a time: a duplicate waits briefly for an earlier call that is being released (a
@@ -32,7 +34,7 @@ import grpc
 
 from decode_service.reservation_queue import ReservationQueue
 from kvtransfer.base import KvReceiver, TransferError, new_reservation_token
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.async_engine import AsyncEngine, Written
 from pdserve.engine.request import RequestOutput
 from protos import decode_pb2, decode_pb2_grpc
 from protos.convert import logprob_to_proto, sampling_params_from_proto
@@ -92,8 +94,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     finished = True
                     yield chunk_message(final)
                     return
+            write_response = getattr(context, "write_response", None)
+            num_received, writing_directly = 0, False
             while not finished:
+                if write_response is not None and not writing_directly:
+                    writing_directly = self.async_engine.write_directly(
+                        rid, lambda output: write_response(chunk_message(output)), num_received
+                    )
                 output = await stream.get()
+                num_received += 1
+                if isinstance(output, Written):  # the engine thread wrote it, and those before it
+                    finished = True
+                    break
                 finished = output.finished
                 yield chunk_message(output)
         finally:

@@ -6,7 +6,9 @@ Lifecycle of one connection:
   1. read the TokenStreamOpen frame (within OPEN_TIMEOUT_S) and check the cluster secret, as the
      gRPC server's interceptor does;
   2. run Generate, writing a frame per message, then the status frame: OK, the code of an abort,
-     or UNKNOWN for an unexpected error (logged);
+     or UNKNOWN for an unexpected error (logged); on a plain TCP connection every frame goes
+     through a `FrameSink`, which the engine thread writes the token chunks to directly (the
+     event loop's thread then does nothing per token); over TLS the loop writes them all;
   3. a watcher reads the connection while the call runs: the client closing it (a cancelled call,
      a dead gateway) cancels Generate at once, whose `finally` frees the request's blocks;
   4. close the connection.
@@ -18,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import ssl
+import threading
 from typing import NoReturn
 
 import grpc
@@ -44,10 +48,97 @@ class AbortError(Exception):
 
 
 class TokenStreamContext:
-    """The part of grpc.aio's ServicerContext that `DecodeServicer.Generate` uses."""
+    """The part of grpc.aio's ServicerContext that `DecodeServicer.Generate` uses, and, with a
+    sink, `write_response`: a thread-safe way to send a message that Generate hands the engine
+    thread."""
+
+    def __init__(self, sink: FrameSink | None = None) -> None:
+        if sink is not None:
+            self.write_response = lambda response: sink.write(
+                encode_frame(decode_pb2.TokenStreamFrame(response=response))
+            )
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         raise AbortError(code, details)
+
+
+class FrameSink:
+    """All writes to one plain TCP connection, in order, from any thread, never blocking: a write
+    goes to the socket at once (through a duplicate of its descriptor, non-blocking), and what the
+    socket does not take waits in a backlog that the event loop sends as the socket drains, with
+    every later write behind it. A slow reader grows the backlog by what its request generates
+    (bounded by max_tokens), as the queue of outputs grew behind stalled writes before. Once the
+    peer is gone, or after `close`, writes are dropped (the hang-up watcher cancels the call)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
+        self._loop = loop
+        self._fd = os.dup(fd)  # its own number: the loop may watch it while the transport owns fd
+        self._lock = threading.Lock()
+        self._backlog = bytearray()
+        self._watching = False  # the loop waits for the socket to take the backlog
+        self._dropping = False  # the peer is gone, or close() ran
+        self._closed = False
+        self._drained = asyncio.Event()  # touched on the loop only
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            if self._dropping:
+                return
+            if not self._backlog:
+                data = data[self._send(data) :]
+            if data:
+                self._backlog += data
+                self._loop.call_soon_threadsafe(self._watch)
+
+    async def drain(self) -> None:
+        """Returns once the backlog is sent, or dropped."""
+        while True:
+            with self._lock:
+                if not self._backlog:
+                    return
+                self._drained.clear()
+            self._watch()
+            await self._drained.wait()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = self._dropping = True
+            self._backlog.clear()
+            if self._watching:
+                self._loop.remove_writer(self._fd)
+            os.close(self._fd)
+        self._drained.set()
+
+    def _send(self, data: bytes | bytearray) -> int:
+        """The bytes the socket took: all of them once the peer is gone (they are dropped)."""
+        try:
+            return os.write(self._fd, data)
+        except BlockingIOError:
+            return 0
+        except OSError:  # reset or closed by the peer: nothing more can reach it
+            self._dropping = True
+            return len(data)
+
+    def _watch(self) -> None:  # on the loop
+        with self._lock:
+            if self._backlog and not self._dropping and not self._watching:
+                self._watching = True
+                self._loop.add_writer(self._fd, self._flush)
+
+    def _flush(self) -> None:  # on the loop, when the socket can take more
+        with self._lock:
+            if self._closed:
+                return
+            if not self._dropping:
+                del self._backlog[: self._send(self._backlog)]
+                if self._backlog:
+                    return
+            self._backlog.clear()
+            self._watching = False
+            self._loop.remove_writer(self._fd)
+        self._drained.set()
 
 
 class TokenStreamServer:
@@ -99,10 +190,17 @@ class TokenStreamServer:
                 )
                 return
             hang_up = asyncio.create_task(_watch_hang_up(reader, task))
+            sink = (
+                None
+                if self._ssl_context
+                else FrameSink(asyncio.get_running_loop(), writer.get_extra_info("socket").fileno())
+            )
             try:
-                await self._generate(opened.request, writer)
+                await self._generate(opened.request, sink or writer, TokenStreamContext(sink))
             finally:
                 hang_up.cancel()
+                if sink is not None:
+                    sink.close()
         except (ConnectionError, asyncio.CancelledError):
             pass  # the client went away (or the node stops): Generate's `finally` has released the request
         finally:
@@ -118,18 +216,22 @@ class TokenStreamServer:
             logger.warning("token stream: closing a connection that sent no call: %r", error)
             return None
 
-    async def _generate(self, request: decode_pb2.GenerateRequest, writer: asyncio.StreamWriter) -> None:
+    async def _generate(
+        self, request: decode_pb2.GenerateRequest, out: FrameSink | asyncio.StreamWriter, context: TokenStreamContext
+    ) -> None:
+        """Runs the call, writing its frames to `out` (the connection's sink, or its writer over TLS)."""
         try:
-            async with contextlib.aclosing(self.servicer.Generate(request, TokenStreamContext())) as responses:
+            async with contextlib.aclosing(self.servicer.Generate(request, context)) as responses:
                 async for response in responses:
-                    writer.write(encode_frame(decode_pb2.TokenStreamFrame(response=response)))
-                    await writer.drain()  # a slow reader holds the call back, as gRPC's flow control does
-            writer.write(encode_frame(status_frame(grpc.StatusCode.OK, "")))
+                    out.write(encode_frame(decode_pb2.TokenStreamFrame(response=response)))
+                    await out.drain()  # a slow reader holds this loop back, as gRPC's flow control does
+            out.write(encode_frame(status_frame(grpc.StatusCode.OK, "")))
         except AbortError as error:
-            writer.write(encode_frame(status_frame(error.code, error.details)))
+            out.write(encode_frame(status_frame(error.code, error.details)))
         except Exception as error:  # the client must learn that the call failed
             logger.exception("token stream: request %s failed", request.request_id)
-            writer.write(encode_frame(status_frame(grpc.StatusCode.UNKNOWN, f"decode node error: {error!r}")))
+            out.write(encode_frame(status_frame(grpc.StatusCode.UNKNOWN, f"decode node error: {error!r}")))
+        await out.drain()  # the status frame is out before the connection closes
 
 
 async def _watch_hang_up(reader: asyncio.StreamReader, call: asyncio.Task) -> None:

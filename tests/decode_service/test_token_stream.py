@@ -1,16 +1,19 @@
 """The token stream (protos/token_stream.py, decode_service/token_stream_server.py) beyond what
 test_servicer.py runs over it: the cluster secret, TLS, a node stopping under open calls, a peer
-that sends garbage, and a node that is not there. The calls fail as grpc.aio's would, so the
-gateway's failover treats both transports alike."""
+that sends garbage, a node that is not there, and the sink that the engine thread writes to. The
+calls fail as grpc.aio's would, so the gateway's failover treats both transports alike."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
+import time
 
 import grpc
 import pytest
 
-from decode_service.token_stream_server import TokenStreamServer
+from decode_service.token_stream_server import FrameSink, TokenStreamServer
 from pdserve.cluster_state.secret import call_metadata
 from pdserve.engine import SamplingParams
 from protos import decode_pb2
@@ -138,3 +141,57 @@ def test_a_bad_request_ends_with_invalid_argument_in_a_status_frame(tiny_llama_p
 def test_a_node_that_is_not_there_fails_the_call_unavailable():
     call = TokenStreamCall(dead_address(), local_request("gone"))
     assert asyncio.run(failure_code(call)) == grpc.StatusCode.UNAVAILABLE
+
+
+def small_socket_pair() -> tuple[socket.socket, socket.socket]:
+    ours, peer = socket.socketpair()
+    for sock in (ours, peer):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    ours.setblocking(False)
+    return ours, peer
+
+
+def test_a_sink_delivers_writes_from_any_thread_in_order_to_a_slow_reader():
+    ours, peer = small_socket_pair()
+    frames = [bytes([i % 251]) * (100 + i % 900) for i in range(600)]  # ~330 KB, far past the buffers
+    received = bytearray()
+
+    def slow_reader():
+        while chunk := peer.recv(8192):
+            received.extend(chunk)
+            time.sleep(0.001)
+
+    async def body():
+        sink = FrameSink(asyncio.get_running_loop(), ours.fileno())
+        writer = threading.Thread(target=lambda: [sink.write(f) for f in frames[:400]])
+        writer.start()  # as the engine thread writes tokens
+        await asyncio.to_thread(writer.join)
+        for frame in frames[400:]:  # then the loop's own frames, behind the backlog
+            sink.write(frame)
+        await asyncio.wait_for(sink.drain(), 30)
+        sink.close()
+        ours.close()
+
+    reader = threading.Thread(target=slow_reader)
+    reader.start()
+    asyncio.run(body())
+    reader.join(30)
+    assert bytes(received) == b"".join(frames)
+
+
+def test_a_sink_drops_writes_once_the_peer_is_gone_or_it_is_closed():
+    ours, peer = small_socket_pair()
+    peer.close()
+
+    async def body():
+        sink = FrameSink(asyncio.get_running_loop(), ours.fileno())
+        for _ in range(100):
+            sink.write(b"x" * 1000)  # never raises: the hang-up watcher ends the call
+        await asyncio.wait_for(sink.drain(), 5)
+        sink.close()
+        sink.close()
+        sink.write(b"after close")
+
+    asyncio.run(body())
+    ours.close()
