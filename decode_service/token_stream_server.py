@@ -54,12 +54,14 @@ class TokenStreamContext:
 
     def __init__(self, sink: FrameSink | None = None) -> None:
         if sink is not None:
-            self.write_response = lambda response: sink.write(
-                encode_frame(decode_pb2.TokenStreamFrame(response=response))
-            )
+            self.write_response = lambda response: sink.write(response_frame(response))
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         raise AbortError(code, details)
+
+
+def response_frame(response: decode_pb2.GenerateResponse) -> bytes:
+    return encode_frame(decode_pb2.TokenStreamFrame(response=response))
 
 
 class FrameSink:
@@ -223,7 +225,7 @@ class TokenStreamServer:
         try:
             async with contextlib.aclosing(self.servicer.Generate(request, context)) as responses:
                 async for response in responses:
-                    out.write(encode_frame(decode_pb2.TokenStreamFrame(response=response)))
+                    out.write(response_frame(response))
                     await out.drain()  # a slow reader holds this loop back, as gRPC's flow control does
             out.write(encode_frame(status_frame(grpc.StatusCode.OK, "")))
         except AbortError as error:

@@ -108,7 +108,7 @@ class AsyncEngine:
         """Hands outputs to their streams (thread-safe: may run on the engine thread)."""
         if self.output_observer is not None:
             self.output_observer(outputs)
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | Written]]] = {}
         with self._streams_lock:
             for output in outputs:
                 stream = self._streams.get(output.request_id)
@@ -219,7 +219,7 @@ class _Stream:
         return None
 
 
-def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput | Written]]) -> None:
     for stream, output in items:
         stream.put_nowait(output)
 
