@@ -6,9 +6,13 @@ event gives the exact output and prompt token counts. Anything short of a 200 st
 ending in `data: [DONE]` (HTTP error, error event, timeout, dropped connection, no content) is a
 failed request with the reason in its record: failures are counted, never dropped.
 
-The client runs on aiohttp, whose HTTP parser is C: on a small machine the load generator shares
-the cores with the server it measures, and httpx (pure-Python h11) took 132-210 us of CPU per
-streamed event against aiohttp's 36-110 (2-core Xeon, an event every 8 ms; docs/benchmarks.md).
+On a small machine the load generator shares the cores with the server it measures, so each
+event should cost it as little CPU as possible: the streamed POST runs on `timed_http`, which
+only stores and timestamps the body as it arrives (one callback per packet, the framing parsed by
+httptools in C), and the events are parsed once the response has ended. httpx (pure-Python h11)
+took 132-210 us of CPU per streamed event and aiohttp 36-110 (2-core Xeon, an event every 8 ms);
+on a 2-core Zen 4, events 6 ms apart beside a memory stream, aiohttp took 204-242 us and
+`timed_http` 78-106 (uvloop both; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from pdserve.bench import timed_http
 from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.workloads import Message, completion_prompt
 
@@ -60,31 +65,20 @@ class _Stream:
     done: bool = False
 
 
-# An event line may be long (a chunk with many logprobs); aiohttp's default limit is 64 KiB.
-MAX_LINE_BYTES = 16 * 1024 * 1024
-
-
 class StreamingClient:
-    """Sends requests over one pooled HTTP session; use as an async context manager (the session
-    is opened on entry, on the running event loop)."""
+    """Streams requests, each on a new connection: llama-server closes kept-alive ones on its own
+    terms, and a request sent on one it just closed fails. Use as an async context manager (an
+    aiohttp session for the model list is opened on entry, on the running event loop)."""
 
     def __init__(self, config: ClientConfig):
         self.config = config
         self.model = config.model
+        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self._http: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> StreamingClient:
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-        # No connection cap (the load generator bounds concurrency) and no proxies from the
-        # environment (aiohttp reads none unless trust_env); `send` applies the timeout. A new
-        # connection per request: llama-server closes kept-alive ones on its own terms, and a
-        # request sent on one it just closed fails ("Can not write request body").
-        self._http = aiohttp.ClientSession(
-            headers=headers,
-            connector=aiohttp.TCPConnector(limit=0, force_close=True),
-            timeout=aiohttp.ClientTimeout(total=None),
-            read_bufsize=MAX_LINE_BYTES,
-        )
+        # No proxies from the environment (aiohttp reads none unless trust_env).
+        self._http = aiohttp.ClientSession(headers=self._headers, timeout=aiohttp.ClientTimeout(total=60))
         try:
             if self.model is None:
                 self.model = await self.first_model()
@@ -131,7 +125,7 @@ class StreamingClient:
                 error = await self._receive(payload, stream)
         except TimeoutError:
             error = f"timed out after {self.config.timeout_s:g} s"
-        except (aiohttp.ClientError, OSError, ValueError) as exc:  # ValueError: a line past MAX_LINE_BYTES
+        except OSError as exc:  # the connection failed
             error = f"{type(exc).__name__}: {exc}"
         end_s = time.perf_counter()
         if error is None and not stream.done:
@@ -144,27 +138,27 @@ class StreamingClient:
         return record, stream.text
 
     async def _receive(self, payload: dict, stream: _Stream) -> str | None:
-        """Reads the SSE stream into `stream`; returns an error message or None."""
-        path = ENDPOINT_TO_PATH[self.config.endpoint]
-        async with self._http.post(self.config.root_url + path, json=payload) as response:
-            if response.status != 200:
-                return f"HTTP {response.status}: {_error_message((await response.read()).decode(errors='replace'))}"
-            async for line in response.content:
-                now_s = time.perf_counter()
-                if not line.startswith(b"data:"):
-                    continue  # blank separators, comments, event names
-                data = line[len(b"data:") :].strip()
-                if data == b"[DONE]":
-                    stream.done = True
-                    return None
-                try:
-                    event = json.loads(data)
-                except ValueError:
-                    return f"malformed event: {data[:200].decode(errors='replace')}"
-                error = _take_event(event, now_s, stream)
-                if error is not None:
-                    return error
-        return None
+        """Reads the SSE stream into `stream`; returns an error message or None. Events are parsed
+        after the response ends, each timed by the arrival of its last byte (timed_http.py)."""
+        url = self.config.root_url + ENDPOINT_TO_PATH[self.config.endpoint]
+        response = await timed_http.post(url, json.dumps(payload).encode(), self._headers)
+        if response.status != 200 and response.error is None:
+            return f"HTTP {response.status}: {_error_message(response.body.decode(errors='replace'))}"
+        for now_s, line in timed_http.timed_lines(response.pieces):
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, event names
+            data = line[len(b"data:") :].strip()
+            if data == b"[DONE]":
+                stream.done = True
+                return None
+            try:
+                event = json.loads(data)
+            except ValueError:
+                return f"malformed event: {data[:200].decode(errors='replace')}"
+            error = _take_event(event, now_s, stream)
+            if error is not None:
+                return error
+        return response.error
 
 
 def _take_event(event: dict, now_s: float, stream: _Stream) -> str | None:
