@@ -22,7 +22,7 @@ from gateway.protocol import (
     ChatCompletionResponse,
     ChatDelta,
 )
-from gateway.responses import SSEResponse, run_unless_disconnected, sse_event
+from gateway.responses import SSEResponse, TextEvents, run_unless_disconnected, sse_event
 from gateway.routes.common import check_model, collect_choices, end_with_done, streamed_responses
 from gateway.sampling import choice_specs
 from gateway.tokenizer import Tokenizer
@@ -111,12 +111,19 @@ async def _chat_events(
     for index in range(num_choices):
         choice = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
         yield sse_event(ChatCompletionChunk(**header, choices=[choice]))
+    text_events = TextEvents(
+        lambda index, text: ChatCompletionChunk(
+            **header, choices=[ChatChunkChoice(index=index, delta=ChatDelta(content=text))]
+        )
+    )
     async for delta in stream:
         usage.add(delta)
-        if delta.text or (want_logprobs and delta.logprobs):
-            logprobs = chat_logprobs(tokenizer, delta.logprobs) if want_logprobs else None
+        if want_logprobs and (delta.text or delta.logprobs):
+            logprobs = chat_logprobs(tokenizer, delta.logprobs)
             choice = ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text), logprobs=logprobs)
             yield sse_event(ChatCompletionChunk(**header, choices=[choice]))
+        elif delta.text:
+            yield text_events.event(delta.index, delta.text)
         if delta.finish_reason is not None:
             choice = ChatChunkChoice(index=delta.index, delta=ChatDelta(), finish_reason=delta.finish_reason)
             yield sse_event(ChatCompletionChunk(**header, choices=[choice]))

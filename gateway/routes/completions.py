@@ -15,7 +15,7 @@ from gateway.generation import ChoiceStream
 from gateway.limits import RequestLimitsDep, check_request_limits
 from gateway.logprobs import completion_logprobs
 from gateway.protocol import CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse
-from gateway.responses import SSEResponse, run_unless_disconnected, sse_event
+from gateway.responses import SSEResponse, TextEvents, run_unless_disconnected, sse_event
 from gateway.routes.common import check_model, collect_choices, end_with_done, streamed_responses
 from gateway.sampling import choice_specs
 from gateway.tokenizer import Tokenizer
@@ -113,15 +113,18 @@ async def _completion_events(
 ) -> AsyncIterator[bytes]:
     """Text chunks per choice, then a chunk with the choice's finish reason, then the usage."""
     text_offsets: dict[int, int] = defaultdict(int)
+    text_events = TextEvents(
+        lambda index, text: CompletionChunk(**header, choices=[CompletionChoice(index=index, text=text)])
+    )
     async for delta in stream:
         usage.add(delta)
-        if delta.text or (want_logprobs and delta.logprobs):
-            logprobs = None
-            if want_logprobs:
-                logprobs = completion_logprobs(tokenizer, delta.logprobs, text_offsets[delta.index])
-                text_offsets[delta.index] += sum(len(token) for token in logprobs.tokens)
+        if want_logprobs and (delta.text or delta.logprobs):
+            logprobs = completion_logprobs(tokenizer, delta.logprobs, text_offsets[delta.index])
+            text_offsets[delta.index] += sum(len(token) for token in logprobs.tokens)
             choice = CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs)
             yield sse_event(CompletionChunk(**header, choices=[choice]))
+        elif delta.text:
+            yield text_events.event(delta.index, delta.text)
         if delta.finish_reason is not None:
             choice = CompletionChoice(index=delta.index, text="", finish_reason=delta.finish_reason)
             yield sse_event(CompletionChunk(**header, choices=[choice]))
