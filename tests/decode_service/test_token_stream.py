@@ -195,3 +195,93 @@ def test_a_sink_drops_writes_once_the_peer_is_gone_or_it_is_closed():
 
     asyncio.run(body())
     ours.close()
+
+
+def chunk_frame(i: int) -> bytes:
+    return encode_frame(decode_pb2.TokenStreamFrame(response=decode_pb2.GenerateResponse(chunk={"token_ids": [i]})))
+
+
+OK_FRAME = encode_frame(decode_pb2.TokenStreamFrame(status=decode_pb2.TokenStreamStatus(code=0)))
+
+
+async def scripted_node_call(send_script) -> TokenStreamCall:
+    """A call to a fake node on 127.0.0.1 that reads the open frame, then runs `send_script(writer)`."""
+
+    async def node(reader, writer):
+        assert await read_frame(reader, decode_pb2.TokenStreamOpen) is not None
+        await send_script(writer)
+        writer.close()
+
+    server = await asyncio.start_server(node, "127.0.0.1", 0)
+    return server, TokenStreamCall(f"127.0.0.1:{server.sockets[0].getsockname()[1]}", local_request("scripted"))
+
+
+async def read_tokens(call) -> list[int]:
+    tokens = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        tokens += message.chunk.token_ids
+    return tokens
+
+
+def run_against_scripted_node(send_script, reader):
+    async def body():
+        server, call = await scripted_node_call(send_script)
+        try:
+            return await asyncio.wait_for(reader(call), 30)
+        finally:
+            call.cancel()
+            server.close()
+
+    return asyncio.run(body())
+
+
+def test_frames_split_anywhere_are_read_whole_and_in_order():
+    async def byte_by_byte(writer):
+        data = b"".join(chunk_frame(i) for i in range(5)) + OK_FRAME
+        for i in range(len(data)):
+            writer.write(data[i : i + 1])
+            await writer.drain()
+            if i % 7 == 0:
+                await asyncio.sleep(0)
+
+    assert run_against_scripted_node(byte_by_byte, read_tokens) == [0, 1, 2, 3, 4]
+
+
+def test_many_unread_frames_pause_the_connection_and_all_arrive():
+    num_frames = 3000  # far more than the reader buffers before it pauses
+
+    async def burst(writer):
+        writer.write(b"".join(chunk_frame(i) for i in range(num_frames)) + OK_FRAME)
+        await writer.drain()
+
+    async def slow_reader(call):
+        await asyncio.sleep(0.3)  # every frame is sent before the first read
+        return await read_tokens(call)
+
+    assert run_against_scripted_node(burst, slow_reader) == list(range(num_frames))
+
+
+@pytest.mark.parametrize(
+    "tail, reason",
+    [
+        (b"", "closed before its status"),
+        (chunk_frame(9)[:-1], "closed within a frame"),
+        (HEADER.pack(1 << 30), "a frame of 1073741824 bytes"),
+        (HEADER.pack(3) + b"\xff\xff\xff", "not a TokenStreamFrame"),
+    ],
+)
+def test_a_broken_stream_fails_the_call_unavailable_after_the_good_frames(tail, reason):
+    async def then_break(writer):
+        writer.write(chunk_frame(1) + chunk_frame(2) + tail)
+        await writer.drain()
+
+    async def reader(call):
+        tokens = []
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            while (message := await call.read()) is not grpc.aio.EOF:
+                tokens += message.chunk.token_ids
+        return tokens, error.value
+
+    tokens, error = run_against_scripted_node(then_break, reader)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and reason in error.details()
+    assert tokens == [1, 2]
