@@ -58,6 +58,24 @@ def send(handler, messages=HI, max_tokens=3, **config):
     return record, text, requests
 
 
+def send_to_raw_server(connected, num_requests: int = 1) -> list:
+    """Sends requests through one client to a raw asyncio server on 127.0.0.1 whose connections
+    `connected(reader, writer)` answers; returns each send's (record, text)."""
+
+    async def main():
+        server = await asyncio.start_server(connected, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            config = ClientConfig(base_url=f"http://127.0.0.1:{port}", model="m", timeout_s=5)
+            async with StreamingClient(config) as client:
+                return [await client.send(list(HI), 3) for _ in range(num_requests)]
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    return asyncio.run(main())
+
+
 def stream_of(body: bytes, status: int = 200):
     async def handler(request):
         return web.Response(status=status, body=body, content_type="text/event-stream")
@@ -173,18 +191,7 @@ def test_requests_after_a_server_drops_a_kept_alive_connection_still_succeed():
             await reader.readuntil(b"\r\n\r\n")  # a second request on this connection: drop it
         writer.transport.abort()
 
-    async def main():
-        server = await asyncio.start_server(first_request_only, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
-            config = ClientConfig(base_url=f"http://127.0.0.1:{port}", model="m", timeout_s=5)
-            async with StreamingClient(config) as client:
-                return [(await client.send(list(HI), 3))[0] for _ in range(3)]
-        finally:
-            server.close()
-            await server.wait_closed()
-
-    records = asyncio.run(main())
+    records = [record for record, _ in send_to_raw_server(first_request_only, num_requests=3)]
     assert [record.error for record in records] == [None, None, None]
 
 
@@ -264,16 +271,5 @@ def test_a_response_that_is_not_http_is_a_failed_request():
         await writer.drain()
         writer.close()
 
-    async def main():
-        server = await asyncio.start_server(garbage, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
-            config = ClientConfig(base_url=f"http://127.0.0.1:{port}", model="m", timeout_s=5)
-            async with StreamingClient(config) as client:
-                return await client.send(list(HI), 3)
-        finally:
-            server.close()
-            await server.wait_closed()
-
-    record, _ = asyncio.run(main())
+    ((record, _),) = send_to_raw_server(garbage)
     assert record.error.startswith("malformed HTTP response")
