@@ -68,9 +68,9 @@ class EngineOptions(BaseModel):
     )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         CacheConfig.dtype,
-        description="auto: the model's dtype; float16 or bfloat16 under float32 weights halve the KV bytes a "
-        "decode step reads and the memory per token, with K and V stored rounded (outputs may differ "
-        "from float32's; docs/benchmarks.md measures by how much)",
+        description="auto: the model's dtype, or float16 under --quantization int8|int4; float16 or bfloat16 "
+        "under float32 weights halve the KV bytes a decode step reads and the memory per token, with K and V "
+        "stored rounded (outputs may differ from float32's; docs/benchmarks.md measures by how much)",
     )
     block_size: int = Field(CacheConfig.block_size, description="tokens per KV block, a power of two")
     kv_cache_gib: float = Field(CacheConfig.kv_cache_memory_bytes / GIB, gt=0, description="memory for the KV cache")

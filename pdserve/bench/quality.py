@@ -194,6 +194,7 @@ def measure(
         bandwidth = (bandwidth_before + read_bandwidth_gbps()) / 2
         weight_bytes = weight_bytes_per_step(engine)
         results[mode] = {
+            "kv_cache": engine.config.kv_cache_dtype,
             "agreement": teacher_forced_agreement(reference, engine, prompts, reference_tokens),
             "identical_sequences": sum(a == b for a, b in zip(reference_tokens, tokens)),
             "first_divergence": [first_divergence(a, b) for a, b in zip(reference_tokens, tokens)],
@@ -220,15 +221,16 @@ def format_table(report: dict) -> str:
     lines = [
         f"{report['num_prompts']} prompts x {report['tokens']} greedy tokens; {report['threads']} threads; "
         f"--attention-backend {report['attention_backend']}; --kv-cache-dtype {report['kv_cache_dtype']}",
-        "| mode | agreement | identical sequences | first divergence | perplexity (ratio) | step ms | read GB/s "
-        "| floor ms | step / floor |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | KV cache | agreement | identical sequences | first divergence | perplexity (ratio) | step ms "
+        "| read GB/s | floor ms | step / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, r in report["modes"].items():
         diverged = [d for d in r["first_divergence"] if d is not None]
         first = f"min {min(diverged)}" if diverged else "none"
         lines.append(
-            f"| {mode} | {r['agreement']:.1%} | {r['identical_sequences']}/{report['num_prompts']} | {first} "
+            f"| {mode} | {r['kv_cache']} | {r['agreement']:.1%} "
+            f"| {r['identical_sequences']}/{report['num_prompts']} | {first} "
             f"| {r['perplexity']:.3f} ({r['perplexity_ratio']:.4f}) | {r['step_ms']:.1f} "
             f"| {r['read_bandwidth_gbps']:.1f} | {r['floor_ms']:.1f} | {r['step_ms'] / r['floor_ms']:.2f} |"
         )

@@ -23,8 +23,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 1 << 30
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    # auto: the model's dtype. A 16-bit cache under float32 weights halves the KV bytes a decode
-    # step reads (and the memory per token); K and V are stored rounded, so outputs may differ.
+    # auto: the model's dtype, but float16 under quantized float32 weights (EngineConfig). A 16-bit
+    # cache under float32 weights halves the KV bytes a decode step reads (and the memory per
+    # token); K and V are stored rounded, so outputs may differ.
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -89,5 +90,13 @@ class EngineConfig:
 
     @property
     def kv_cache_dtype(self) -> str:
-        """The KV cache's dtype: `cache.dtype`, or the model's for auto."""
-        return self.dtype if self.cache.dtype == "auto" else self.cache.dtype
+        """The KV cache's dtype: `cache.dtype`; for auto, the model's, or float16 under quantized weights.
+
+        Quantized weights already give up float32's exact tokens for speed, and a float16 cache costs
+        nothing measurable on top of them (docs/benchmarks.md, "twentieth pass") while halving the
+        bytes a decode step's attention reads: the cache llama.cpp keeps by default, too. Unquantized
+        float32 keeps a float32 cache, token-identical to transformers.
+        """
+        if self.cache.dtype != "auto":
+            return self.cache.dtype
+        return "float16" if self.quantization != "none" and self.dtype == "float32" else self.dtype

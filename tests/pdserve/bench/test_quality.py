@@ -17,6 +17,7 @@ def test_each_modes_floor_uses_the_bandwidth_measured_around_its_own_steps(monke
 
     class FakeEngine:
         def __init__(self, config) -> None:
+            self.config = config
             self.tokenizer = lambda text: {"input_ids": [1, 2, 3]}
 
     monkeypatch.setattr(quality, "LLMEngine", FakeEngine)
@@ -25,6 +26,7 @@ def test_each_modes_floor_uses_the_bandwidth_measured_around_its_own_steps(monke
     int8, int4 = report["modes"]["int8"], report["modes"]["int4"]
     assert int8["read_bandwidth_gbps"] == 50.0 and int8["floor_ms"] == 2.0
     assert int4["read_bandwidth_gbps"] == 20.0 and int4["floor_ms"] == 5.0
+    assert int8["kv_cache"] == int4["kv_cache"] == "float16"  # auto under quantized weights
     table = quality.format_table(report)
-    assert "| int8 | 100.0% | 12/12 | none | 50.000 (1.0000) | 10.0 | 50.0 | 2.0 | 5.00 |" in table
-    assert "| int4 | 100.0% | 12/12 | none | 50.000 (1.0000) | 10.0 | 20.0 | 5.0 | 2.00 |" in table
+    assert "| int8 | float16 | 100.0% | 12/12 | none | 50.000 (1.0000) | 10.0 | 50.0 | 2.0 | 5.00 |" in table
+    assert "| int4 | float16 | 100.0% | 12/12 | none | 50.000 (1.0000) | 10.0 | 20.0 | 5.0 | 2.00 |" in table

@@ -15,8 +15,18 @@ def test_auto_is_the_models_dtype_and_other_values_are_refused():
     assert EngineConfig().kv_cache_dtype == "float32"
     assert EngineConfig(dtype="bfloat16").kv_cache_dtype == "bfloat16"
     assert EngineConfig(cache=CacheConfig(dtype="float16")).kv_cache_dtype == "float16"
+    assert EngineConfig(cache=CacheConfig(dtype="bfloat16")).kv_cache_dtype == "bfloat16"
     with pytest.raises(ValueError, match="KV cache dtype must be one of auto, float32, bfloat16, float16"):
         CacheConfig(dtype="int8")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_auto_under_quantized_weights_is_float16_unless_a_dtype_is_named(quantization):
+    # Quantized weights already round; a float16 cache halves the bytes attention reads (and is
+    # llama.cpp's default). A named dtype, float32 included, is kept.
+    assert EngineConfig(quantization=quantization).kv_cache_dtype == "float16"
+    named = CacheConfig(dtype="float32")
+    assert EngineConfig(quantization=quantization, cache=named).kv_cache_dtype == "float32"
 
 
 def test_the_triton_backend_keeps_the_models_dtype():
