@@ -224,6 +224,48 @@ inline float dot_int8_row(const int16_t* x, const int8_t* w, int64_t K) {
   return total;
 }
 
+// Batch 1 with the row of x held in registers (AVX-512: K / 32 vectors of int16, for K up to
+// kMaxRegisterVectors * 32), each weight row streamed past it as in dot_int8_row, with the same
+// chains (so the same sums). Loading x again for every weight vector, not the multiply-adds,
+// bound dot_int8_row where the weights come from cache: on one Zen 4 core a 576 x 576 matrix
+// in L2 took 8.6 us that way and 6.3 us with x in registers, 3072 x 576 41.9 and 30.3 us
+// (docs/benchmarks.md, "twentieth pass"); from memory, the stream bounds both.
+constexpr int kMaxRegisterVectors = 24;  // of the 32 zmm registers: x, two chains, the widened weights
+
+template <int V>
+static void int8_rows_x_in_registers(const int16_t* xq, const int8_t* qs, const float* scales, float x_scale,
+                                     float* ys, int64_t begin, int64_t end, const int8_t* range_end) {
+  constexpr int64_t K = V * kIntWidth;
+  IVec xv[V];
+  for (int i = 0; i < V; ++i) xv[i] = load(xq + i * kIntWidth);
+  for (int64_t n = begin; n < end; ++n) {
+    const int8_t* row = qs + n * K;
+    const int8_t* ahead = row + kPrefetchBytes;
+    if (ahead < range_end) prefetch_rows<PrefetchTo::kL2>(ahead, std::min<int64_t>(K, range_end - ahead));
+    IVec even = zero(), odd = zero();
+#pragma GCC unroll 32
+    for (int i = 0; i + 1 < V; i += 2) {
+      even = multiply_add(even, xv[i], widen(row + i * kIntWidth));
+      odd = multiply_add(odd, xv[i + 1], widen(row + (i + 1) * kIntWidth));
+    }
+    if constexpr (V % 2 == 1) even = multiply_add(even, xv[V - 1], widen(row + (V - 1) * kIntWidth));
+    ys[n] = lane_sum(add(even, odd)) * x_scale * scales[n];
+  }
+}
+
+// int8_rows_x_in_registers for this K, if it has an instance; false otherwise.
+static bool int8_rows_in_registers(const int16_t* xq, const int8_t* qs, const float* scales, float x_scale,
+                                   float* ys, int64_t K, int64_t begin, int64_t end, const int8_t* range_end) {
+  if (kIntWidth != 32 || K % 32 != 0) return false;
+  switch (K / 32) {
+    case 16: int8_rows_x_in_registers<16>(xq, qs, scales, x_scale, ys, begin, end, range_end); return true;
+    case 18: int8_rows_x_in_registers<18>(xq, qs, scales, x_scale, ys, begin, end, range_end); return true;
+    case 20: int8_rows_x_in_registers<20>(xq, qs, scales, x_scale, ys, begin, end, range_end); return true;
+    case 24: int8_rows_x_in_registers<24>(xq, qs, scales, x_scale, ys, begin, end, range_end); return true;
+    default: return false;
+  }
+}
+
 // Four rows of x against two weight rows: eight chains, and each loaded vector feeds two or four
 // multiply-adds (with one weight row, loads of x bounded the loop: ~100 GFLOP/s-equivalent on
 // two AMD EPYC cores, no faster than float32). Without in_register gcc loaded each vector again
@@ -293,7 +335,10 @@ static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* 
     const int16_t* wide_row = wide.data();
     int64_t n = begin;
     const int8_t* range_end = qs + end * K;
-    for (; M == 1 && n < end; ++n) {  // batch 1: one stream of weight rows
+    if (M == 1 && int8_rows_in_registers(xq.data(), qs, scales, x_scales[0], ys, K, begin, end, range_end)) {
+      n = end;
+    }
+    for (; M == 1 && n < end; ++n) {  // batch 1, other widths: one stream of weight rows
       const int8_t* row = qs + n * K;
       const int8_t* ahead = row + kPrefetchBytes;
       if (ahead < range_end) prefetch_rows<PrefetchTo::kL2>(ahead, std::min<int64_t>(K, range_end - ahead));

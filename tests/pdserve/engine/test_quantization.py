@@ -168,6 +168,17 @@ def test_one_row_int8_propagates_non_finite_inputs_and_handles_any_width(in_feat
     assert not quantized(torch.zeros(1, in_features)).any()
 
 
+@pytest.mark.parametrize("in_features", [512, 576, 640, 768, 544])  # x held in registers (AVX-512); 544: not
+def test_one_row_int8_with_x_in_registers_matches_the_dequantized_product(in_features):
+    torch.manual_seed(2)
+    quantized = Int8Linear(torch.randn(203, in_features), None)  # rows split unevenly between threads
+    x = torch.randn(1, in_features)
+    exact = torch.nn.functional.linear(x, quantized.dequantized())
+    assert (quantized(x) - exact).norm() / exact.norm() < 1e-4
+    peak = Int8Linear(torch.full((3, in_features), -0.5), None)(torch.full((1, in_features), 3.0))
+    torch.testing.assert_close(peak, torch.full((1, 3), -1.5 * in_features), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("num_rows", [9, 37])  # the dot-product loops; the panels
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_int8_rows_with_a_non_finite_entry_give_non_finite_outputs_and_leave_the_others_alone(bad, num_rows):
