@@ -18,6 +18,10 @@ Lifecycle:
      N clients send max(N, --min-requests) requests; stop it before the next starts
   2. with no cluster running: the engine in this process, then llama-server if given, then the
      transformers peers, timed with bench.offline.measure
+     (--paired-rounds N: pdserve-colocated and pdserve-engine instead run every level N times,
+     alternating, with the cluster up and the engine loaded throughout, and each one's rounds
+     are merged into its rows: the host's memory bandwidth moves within minutes, and run one
+     after the other the two would each get a different host)
   3. print the markdown table (and write it to --output), optionally the raw results (--json)
 
 The offline transformers peers have no TTFT, TPOT or ITL to measure: their cells are blank.
@@ -33,7 +37,7 @@ import platform
 import shlex
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import date
 from pathlib import Path
 
@@ -41,7 +45,7 @@ from pdserve import event_loop
 from pdserve.bench import offline
 from pdserve.bench.client import ClientConfig
 from pdserve.bench.llama_peer import GGUF_TYPES
-from pdserve.bench.metrics import Distribution
+from pdserve.bench.metrics import Distribution, compute_metrics
 from pdserve.bench.results import LevelResult, Load
 from pdserve.bench.serving import run_benchmark
 from pdserve.bench.workloads import Conversation, WorkloadConfig, iter_conversations, user
@@ -50,6 +54,7 @@ from pdserve.options import add_model_flag
 logger = logging.getLogger(__name__)
 
 CLUSTER_SYSTEMS = {"pdserve-disagg": False, "pdserve-colocated": True}  # system -> colocated
+COLOCATED_SYSTEM = "pdserve-colocated"
 ENGINE_SYSTEM = "pdserve-engine"
 OFFLINE_SYSTEMS = ("generate_batch", "naive")
 SYSTEMS = (*CLUSTER_SYSTEMS, ENGINE_SYSTEM, *OFFLINE_SYSTEMS)
@@ -158,7 +163,8 @@ def conversation_source(args: argparse.Namespace, tokenizer, tag_to_num_requests
         return lambda tag: iter_conversations(config, tag)
 
     def synthetic(tag: str) -> Iterator[Conversation]:
-        return iter(conversations_for(tokenizer, tag, tag_to_num_requests[tag], args.input_len, args.output_len))
+        num_requests = tag_to_num_requests[tag.split("/")[0]]  # a round's tag extends its level's (round_tag)
+        return iter(conversations_for(tokenizer, tag, num_requests, args.input_len, args.output_len))
 
     return synthetic
 
@@ -180,27 +186,79 @@ def run_cluster(system: str, args: argparse.Namespace, tokenizer) -> list[LevelR
         return sweep(cluster.base_url, args, tokenizer)
 
 
-def sweep(base_url: str, args: argparse.Namespace, tokenizer) -> list[LevelResult]:
-    """Every concurrency level through one server's /v1/completions, after the warm-up."""
+def sweep(base_url: str, args: argparse.Namespace, tokenizer, round_index: int = 0) -> list[LevelResult]:
+    """Every concurrency level through one server's /v1/completions, after the warm-up (the first
+    round's only); each round has prompts of its own (round_tag)."""
     loads = [Load(concurrency=c, num_requests=max(c, args.min_requests)) for c in args.concurrency]
     tag_to_num_requests = {load.tag: load.num_requests for load in loads} | {"warmup": offline.NUM_WARMUP_REQUESTS}
     client_config = ClientConfig(base_url=base_url, endpoint="completions", timeout_s=args.timeout_s)
     source = conversation_source(args, tokenizer, tag_to_num_requests)
-    _, results = event_loop.run(run_benchmark(client_config, loads, source, num_warmup=offline.NUM_WARMUP_REQUESTS))
+    num_warmup = offline.NUM_WARMUP_REQUESTS if round_index == 0 else 0
+    round_source = (lambda tag: source(round_tag(tag, round_index))) if round_index else source
+    _, results = event_loop.run(run_benchmark(client_config, loads, round_source, num_warmup=num_warmup))
     return results
+
+
+def round_tag(tag: str, round_index: int) -> str:
+    """A level's prompt stream in one round (the first keeps the plain tag): rounds never share
+    prompts, so no round finds the previous one's in the prefix cache."""
+    return tag if round_index == 0 else f"{tag}/round{round_index}"
+
+
+def merge_rounds(rounds: Sequence[Sequence[LevelResult]]) -> list[LevelResult]:
+    """Each level's records over all rounds, as one level: throughput over the rounds' summed time."""
+    merged = []
+    for levels in zip(*rounds, strict=True):
+        records = tuple(record for level in levels for record in level.records)
+        duration_s = sum(level.metrics.duration_s for level in levels)
+        load = replace(levels[0].load, num_requests=sum(level.load.num_requests for level in levels))
+        merged.append(LevelResult(load, compute_metrics(records, duration_s), records))
+    return merged
+
+
+def run_paired(args: argparse.Namespace, tokenizer) -> tuple[list[LevelResult], list[LevelResult]]:
+    """pdserve-colocated and pdserve-engine, alternating --paired-rounds rounds of every level, the
+    cluster up and the engine loaded throughout; (served, engine) levels, each merged over rounds."""
+    from pdserve.cluster_state.embedded_redis import free_port
+    from pdserve.launcher import Launcher, LaunchPlan
+
+    engine = load_engine(args, tokenizer)
+    plan = LaunchPlan(
+        model=args.model, port=free_port(), colocated=True, node_args=tuple(shlex.split(args.pdserve_flags))
+    )
+    served_rounds, engine_rounds = [], []
+    with Launcher(plan) as cluster:
+        for round_index in range(args.paired_rounds):
+            served_rounds.append(sweep(cluster.base_url, args, tokenizer, round_index))
+            engine_rounds.append(engine_levels(engine, args, tokenizer, round_index))
+            logger.info("paired round %d of %d done", round_index + 1, args.paired_rounds)
+    return merge_rounds(served_rounds), merge_rounds(engine_rounds)
 
 
 def run_engine(args: argparse.Namespace, tokenizer) -> list[LevelResult]:
     """The nodes' engine in this process, under the clusters' loads and prompts (synthetic workload)."""
+    return engine_levels(load_engine(args, tokenizer), args, tokenizer)
+
+
+def load_engine(args: argparse.Namespace, tokenizer):
+    """The nodes' engine (--pdserve-flags) in this process, warmed up."""
     from pdserve.bench.engine_load import run_level
 
     engine = engine_from_flags(args.model, args.pdserve_flags)
     warmup = offline.synthetic_prompts(tokenizer, offline.NUM_WARMUP_REQUESTS, args.input_len, tag="warmup")
     run_level(engine, Load(concurrency=1, num_requests=len(warmup)), warmup, offline.NUM_WARMUP_TOKENS)
+    return engine
+
+
+def engine_levels(engine, args: argparse.Namespace, tokenizer, round_index: int = 0) -> list[LevelResult]:
+    """Every concurrency level on the engine, with the clusters' prompts of that round."""
+    from pdserve.bench.engine_load import run_level
+
     results = []
     for concurrency in args.concurrency:
         load = Load(concurrency=concurrency, num_requests=max(concurrency, args.min_requests))
-        prompts = offline.synthetic_prompts(tokenizer, load.num_requests, args.input_len, tag=load.tag)
+        tag = round_tag(load.tag, round_index)
+        prompts = offline.synthetic_prompts(tokenizer, load.num_requests, args.input_len, tag=tag)
         results.append(run_level(engine, load, prompts, args.output_len))
         logger.info("%s at %d: %.1f tok/s", ENGINE_SYSTEM, concurrency, results[-1].metrics.output_throughput)
     return results
@@ -261,9 +319,17 @@ def run_compare(args: argparse.Namespace) -> tuple[list[CompareRow], list[str], 
         notes.extend(check_results(system, results, args.output_len))
         raw[system] = [{"load": asdict(r.load), "metrics": asdict(r.metrics)} for r in results]
 
+    paired = args.paired_rounds > 1 and {COLOCATED_SYSTEM, ENGINE_SYSTEM} <= set(args.systems)
+    if paired and args.workload != "synthetic":
+        raise SystemExit(f"--paired-rounds: {ENGINE_SYSTEM} runs the synthetic workload only")
     for system in [s for s in CLUSTER_SYSTEMS if s in args.systems]:
-        record(system, run_cluster(system, args, tokenizer))
-    if ENGINE_SYSTEM in args.systems:
+        if not (paired and system == COLOCATED_SYSTEM):
+            record(system, run_cluster(system, args, tokenizer))
+    if paired:
+        served, engine_results = run_paired(args, tokenizer)
+        record(COLOCATED_SYSTEM, served)
+        record(ENGINE_SYSTEM, engine_results)
+    elif ENGINE_SYSTEM in args.systems:
         if args.workload == "synthetic":
             record(ENGINE_SYSTEM, run_engine(args, tokenizer))
         else:
@@ -318,6 +384,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="clusters: at least this many requests per level, so that percentiles have samples",
     )
     parser.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=1,
+        help="pdserve-colocated and pdserve-engine alternate this many rounds of every level, the cluster "
+        "and the engine up throughout, and each one's rounds are merged: the served/engine ratio without "
+        "the host's drift between two separate runs",
+    )
+    parser.add_argument(
         "--naive-max-requests", type=int, default=4, help="naive is timed on at most this many requests per concurrency"
     )
     parser.add_argument(
@@ -346,7 +420,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     parser.add_argument("--output", type=Path, help="also write the markdown here")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.paired_rounds < 1:
+        parser.error("--paired-rounds must be at least 1")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:

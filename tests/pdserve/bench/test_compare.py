@@ -98,3 +98,71 @@ def test_the_run_line_describes_the_workload_that_ran():
     chat = compare.describe_run(compare.parse_args(["--workload", "chat", "--output-len", "64"]), 12.0)
     assert "chats of 4 turns of 48-token messages after one of 2 shared 512-token system prompts" in chat
     assert "prompts of 200 tokens" not in chat
+
+
+def level(num_requests: int, duration_s: float, tokens: int) -> LevelResult:
+    records = [RequestRecord(0.0, 1.0, (0.5,) * tokens, num_output_tokens=tokens) for _ in range(num_requests)]
+    return LevelResult(
+        Load(concurrency=1, num_requests=num_requests), compute_metrics(records, duration_s), tuple(records)
+    )
+
+
+def test_rounds_merge_into_one_level_per_concurrency():
+    merged = compare.merge_rounds([[level(2, 4.0, 10)], [level(3, 6.0, 10)]])
+    assert len(merged) == 1
+    assert merged[0].load.num_requests == 5 and len(merged[0].records) == 5
+    assert merged[0].metrics.output_throughput == pytest.approx(50 / 10.0)
+
+
+def test_each_round_has_prompts_of_its_own():
+    class WordTokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return [sum(map(ord, word)) for word in text.split()]
+
+    args = compare.parse_args(["--input-len", "20"])
+    source = compare.conversation_source(args, WordTokenizer(), {"c1": 3})
+    first, second = list(source(compare.round_tag("c1", 0))), list(source(compare.round_tag("c1", 1)))
+    assert len(first) == len(second) == 3
+    assert {c.turns[0][0]["content"] == d.turns[0][0]["content"] for c, d in zip(first, second)} == {False}
+
+
+def test_paired_rounds_alternate_the_served_and_the_engine_levels(monkeypatch):
+    calls = []
+
+    class FakeLauncher:
+        def __init__(self, plan) -> None:
+            assert plan.colocated and plan.node_args == ("--quantization", "int8")
+            self.base_url = "http://127.0.0.1:1"
+
+        def __enter__(self):
+            calls.append("up")
+            return self
+
+        def __exit__(self, *exc) -> None:
+            calls.append("down")
+
+    def fake_sweep(base_url, args, tokenizer, round_index=0):
+        calls.append(f"served {round_index}")
+        return [level(2, 1.0, 4)]
+
+    def fake_engine_levels(engine, args, tokenizer, round_index=0):
+        calls.append(f"engine {round_index}")
+        return [level(2, 2.0, 4)]
+
+    monkeypatch.setattr("pdserve.launcher.Launcher", FakeLauncher)
+    monkeypatch.setattr(compare, "load_engine", lambda args, tokenizer: calls.append("engine loaded"))
+    monkeypatch.setattr(compare, "sweep", fake_sweep)
+    monkeypatch.setattr(compare, "engine_levels", fake_engine_levels)
+    args = compare.parse_args(["--concurrency", "1", "--paired-rounds", "3", "--pdserve-flags", "--quantization int8"])
+    served, engine = compare.run_paired(args, tokenizer=None)
+    assert calls == [
+        "engine loaded",
+        "up",
+        *(f"{system} {r}" for r in range(3) for system in ("served", "engine")),
+        "down",
+    ]
+    assert served[0].load.num_requests == engine[0].load.num_requests == 6
+    assert served[0].metrics.output_throughput == pytest.approx(24 / 3.0)
+    assert engine[0].metrics.output_throughput == pytest.approx(24 / 6.0)
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--paired-rounds", "0"])
