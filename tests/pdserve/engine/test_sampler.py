@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine
-from pdserve.engine.sampler import Sampler, apply_top_k_top_p, draw_seed
+from pdserve.engine.sampler import Sampler, apply_top_k_top_p, argmax_rows, draw_seed
 from pdserve.engine.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -41,6 +41,21 @@ def test_greedy_takes_the_argmax():
     out = Sampler()(logits, [SamplingParams(temperature=0.0)] * 3, [0, 1, 2], [0, 0, 0])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [None, None, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_rows_is_torchs_argmax_with_ties_nan_and_views(dtype):
+    values = torch.randn(6, 2 * VOCAB, generator=torch.Generator().manual_seed(3)).to(dtype)
+    values[1, 7] = values[1, 30] = values[1].max() + 1  # a tie: the first maximum wins
+    values[2, 11] = float("nan")  # NaN counts as the maximum
+    values[3] = 0.0
+    with torch.inference_mode():
+        for rows in (values, values[:, ::2], values[4:5], values[0]):  # views, one row, a vector
+            expected = rows.argmax(dim=-1)
+            found = argmax_rows(rows)
+            assert found.dtype == torch.int64 and found.shape == expected.shape
+            assert torch.equal(found, expected)
+    assert argmax_rows(values)[1:4].tolist() == [7, 11, 0]
 
 
 def test_greedy_and_random_rows_mix_in_one_batch():
