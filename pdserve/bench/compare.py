@@ -18,10 +18,8 @@ Lifecycle:
      N clients send max(N, --min-requests) requests; stop it before the next starts
   2. with no cluster running: the engine in this process, then llama-server if given, then the
      transformers peers, timed with bench.offline.measure
-     (--paired-rounds N: pdserve-colocated and pdserve-engine instead run every level N times,
-     alternating, with the cluster up and the engine loaded throughout, and each one's rounds
-     are merged into its rows: the host's memory bandwidth moves within minutes, and run one
-     after the other the two would each get a different host)
+     (--paired-rounds N: pdserve-colocated and pdserve-engine alternate N rounds of every level
+     instead, cluster up and engine loaded throughout, rounds merged: run_paired)
   3. print the markdown table (and write it to --output), optionally the raw results (--json)
 
 The offline transformers peers have no TTFT, TPOT or ITL to measure: their cells are blank.
@@ -37,7 +35,7 @@ import platform
 import shlex
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from datetime import date
 from pathlib import Path
 
@@ -45,8 +43,8 @@ from pdserve import event_loop
 from pdserve.bench import offline
 from pdserve.bench.client import ClientConfig
 from pdserve.bench.llama_peer import GGUF_TYPES
-from pdserve.bench.metrics import Distribution, compute_metrics
-from pdserve.bench.results import LevelResult, Load
+from pdserve.bench.metrics import Distribution
+from pdserve.bench.results import LevelResult, Load, merge_rounds, round_tag
 from pdserve.bench.serving import run_benchmark
 from pdserve.bench.workloads import Conversation, WorkloadConfig, iter_conversations, user
 from pdserve.options import add_model_flag
@@ -171,19 +169,21 @@ def conversation_source(args: argparse.Namespace, tokenizer, tag_to_num_requests
 
 def run_cluster(system: str, args: argparse.Namespace, tokenizer) -> list[LevelResult]:
     """Starts one cluster mode, sweeps the concurrency levels through its gateway, stops it."""
-    from pdserve.cluster_state.embedded_redis import free_port
-    from pdserve.launcher import Launcher, LaunchPlan
+    from pdserve.launcher import Launcher
 
-    plan = LaunchPlan(
-        model=args.model,
-        port=free_port(),
-        colocated=CLUSTER_SYSTEMS[system],
-        node_args=tuple(shlex.split(args.pdserve_flags)),
-    )
     started_s = time.perf_counter()
-    with Launcher(plan) as cluster:
+    with Launcher(launch_plan(args, CLUSTER_SYSTEMS[system])) as cluster:
         logger.info("%s ready in %.0f s", system, time.perf_counter() - started_s)
         return sweep(cluster.base_url, args, tokenizer)
+
+
+def launch_plan(args: argparse.Namespace, colocated: bool):
+    """A cluster as `pdserve up` starts it, on a free port, its nodes given --pdserve-flags."""
+    from pdserve.cluster_state.embedded_redis import free_port
+    from pdserve.launcher import LaunchPlan
+
+    node_args = tuple(shlex.split(args.pdserve_flags))
+    return LaunchPlan(model=args.model, port=free_port(), colocated=colocated, node_args=node_args)
 
 
 def sweep(base_url: str, args: argparse.Namespace, tokenizer, round_index: int = 0) -> list[LevelResult]:
@@ -199,81 +199,21 @@ def sweep(base_url: str, args: argparse.Namespace, tokenizer, round_index: int =
     return results
 
 
-def round_tag(tag: str, round_index: int) -> str:
-    """A level's prompt stream in one round (the first keeps the plain tag): rounds never share
-    prompts, so no round finds the previous one's in the prefix cache."""
-    return tag if round_index == 0 else f"{tag}/round{round_index}"
-
-
-def merge_rounds(rounds: Sequence[Sequence[LevelResult]]) -> list[LevelResult]:
-    """Each level's records over all rounds, as one level: throughput over the rounds' summed time."""
-    merged = []
-    for levels in zip(*rounds, strict=True):
-        records = tuple(record for level in levels for record in level.records)
-        duration_s = sum(level.metrics.duration_s for level in levels)
-        load = replace(levels[0].load, num_requests=sum(level.load.num_requests for level in levels))
-        merged.append(LevelResult(load, compute_metrics(records, duration_s), records))
-    return merged
-
-
 def run_paired(args: argparse.Namespace, tokenizer) -> tuple[list[LevelResult], list[LevelResult]]:
-    """pdserve-colocated and pdserve-engine, alternating --paired-rounds rounds of every level, the
-    cluster up and the engine loaded throughout; (served, engine) levels, each merged over rounds."""
-    from pdserve.cluster_state.embedded_redis import free_port
-    from pdserve.launcher import Launcher, LaunchPlan
+    """pdserve-colocated and pdserve-engine in --paired-rounds alternating rounds of every level, the
+    cluster up and the engine loaded throughout; (served, engine) levels merged over rounds. Run one
+    after the other, the two would each get a different host: its memory bandwidth moves in minutes."""
+    from pdserve.bench.engine_load import engine_levels, load_engine
+    from pdserve.launcher import Launcher
 
     engine = load_engine(args, tokenizer)
-    plan = LaunchPlan(
-        model=args.model, port=free_port(), colocated=True, node_args=tuple(shlex.split(args.pdserve_flags))
-    )
     served_rounds, engine_rounds = [], []
-    with Launcher(plan) as cluster:
+    with Launcher(launch_plan(args, colocated=True)) as cluster:
         for round_index in range(args.paired_rounds):
             served_rounds.append(sweep(cluster.base_url, args, tokenizer, round_index))
             engine_rounds.append(engine_levels(engine, args, tokenizer, round_index))
             logger.info("paired round %d of %d done", round_index + 1, args.paired_rounds)
     return merge_rounds(served_rounds), merge_rounds(engine_rounds)
-
-
-def run_engine(args: argparse.Namespace, tokenizer) -> list[LevelResult]:
-    """The nodes' engine in this process, under the clusters' loads and prompts (synthetic workload)."""
-    return engine_levels(load_engine(args, tokenizer), args, tokenizer)
-
-
-def load_engine(args: argparse.Namespace, tokenizer):
-    """The nodes' engine (--pdserve-flags) in this process, warmed up."""
-    from pdserve.bench.engine_load import run_level
-
-    engine = engine_from_flags(args.model, args.pdserve_flags)
-    warmup = offline.synthetic_prompts(tokenizer, offline.NUM_WARMUP_REQUESTS, args.input_len, tag="warmup")
-    run_level(engine, Load(concurrency=1, num_requests=len(warmup)), warmup, offline.NUM_WARMUP_TOKENS)
-    return engine
-
-
-def engine_levels(engine, args: argparse.Namespace, tokenizer, round_index: int = 0) -> list[LevelResult]:
-    """Every concurrency level on the engine, with the clusters' prompts of that round."""
-    from pdserve.bench.engine_load import run_level
-
-    results = []
-    for concurrency in args.concurrency:
-        load = Load(concurrency=concurrency, num_requests=max(concurrency, args.min_requests))
-        tag = round_tag(load.tag, round_index)
-        prompts = offline.synthetic_prompts(tokenizer, load.num_requests, args.input_len, tag=tag)
-        results.append(run_level(engine, load, prompts, args.output_len))
-        logger.info("%s at %d: %.1f tok/s", ENGINE_SYSTEM, concurrency, results[-1].metrics.output_throughput)
-    return results
-
-
-def engine_from_flags(model: str, flags: str):
-    """An LLMEngine with the engine options among a node's flags (others, like --kv-transport, do
-    not concern the engine and are ignored)."""
-    from pdserve.engine import LLMEngine
-    from pdserve.options import EngineOptions, add_flags, settings_from_args
-
-    parser = argparse.ArgumentParser(prog="--pdserve-flags")
-    add_flags(parser, EngineOptions)
-    known, _ = parser.parse_known_args(["--model", model, *shlex.split(flags)])
-    return LLMEngine(settings_from_args(EngineOptions, known, parser).engine_config())
 
 
 def run_llama(gguf_type: str, gguf_file: Path, args: argparse.Namespace, tokenizer) -> list[LevelResult]:
@@ -331,6 +271,8 @@ def run_compare(args: argparse.Namespace) -> tuple[list[CompareRow], list[str], 
         record(ENGINE_SYSTEM, engine_results)
     elif ENGINE_SYSTEM in args.systems:
         if args.workload == "synthetic":
+            from pdserve.bench.engine_load import run_engine
+
             record(ENGINE_SYSTEM, run_engine(args, tokenizer))
         else:
             notes.append(f"{ENGINE_SYSTEM}: runs the synthetic workload only, not {args.workload}")

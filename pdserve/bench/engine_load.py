@@ -8,13 +8,20 @@ engine itself takes, and the served rows beside them show what the gateway, gRPC
 
 from __future__ import annotations
 
+import argparse
+import logging
+import shlex
 import time
 from collections import deque
 from collections.abc import Sequence
 
+from pdserve.bench import offline
 from pdserve.bench.metrics import RequestRecord, compute_metrics
-from pdserve.bench.results import LevelResult, Load
+from pdserve.bench.results import LevelResult, Load, round_tag
 from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.options import EngineOptions, add_flags, settings_from_args
+
+logger = logging.getLogger(__name__)
 
 
 def run_level(engine: LLMEngine, load: Load, prompts: Sequence[list[int]], output_len: int) -> LevelResult:
@@ -40,3 +47,37 @@ def run_level(engine: LLMEngine, load: Load, prompts: Sequence[list[int]], outpu
                 start = started.pop(output.request_id)
                 records.append(RequestRecord(start, now, tuple(times), len(times), output.num_prompt_tokens))
     return LevelResult(load, compute_metrics(records, time.perf_counter() - level_start), tuple(records))
+
+
+def run_engine(args: argparse.Namespace, tokenizer) -> list[LevelResult]:
+    """The nodes' engine in this process, under the clusters' loads and prompts (synthetic workload)."""
+    return engine_levels(load_engine(args, tokenizer), args, tokenizer)
+
+
+def load_engine(args: argparse.Namespace, tokenizer) -> LLMEngine:
+    """The nodes' engine (--pdserve-flags) in this process, warmed up."""
+    engine = engine_from_flags(args.model, args.pdserve_flags)
+    warmup = offline.synthetic_prompts(tokenizer, offline.NUM_WARMUP_REQUESTS, args.input_len, tag="warmup")
+    run_level(engine, Load(concurrency=1, num_requests=len(warmup)), warmup, offline.NUM_WARMUP_TOKENS)
+    return engine
+
+
+def engine_levels(engine: LLMEngine, args: argparse.Namespace, tokenizer, round_index: int = 0) -> list[LevelResult]:
+    """Every concurrency level on the engine, with the clusters' prompts of that round."""
+    results = []
+    for concurrency in args.concurrency:
+        load = Load(concurrency=concurrency, num_requests=max(concurrency, args.min_requests))
+        tag = round_tag(load.tag, round_index)
+        prompts = offline.synthetic_prompts(tokenizer, load.num_requests, args.input_len, tag=tag)
+        results.append(run_level(engine, load, prompts, args.output_len))
+        logger.info("engine at %d: %.1f tok/s", concurrency, results[-1].metrics.output_throughput)
+    return results
+
+
+def engine_from_flags(model: str, flags: str) -> LLMEngine:
+    """An LLMEngine with the engine options among a node's flags (others, like --kv-transport, do
+    not concern the engine and are ignored)."""
+    parser = argparse.ArgumentParser(prog="--pdserve-flags")
+    add_flags(parser, EngineOptions)
+    known, _ = parser.parse_known_args(["--model", model, *shlex.split(flags)])
+    return LLMEngine(settings_from_args(EngineOptions, known, parser).engine_config())

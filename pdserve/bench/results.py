@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
-from pdserve.bench.metrics import BenchmarkMetrics, RequestRecord
+from pdserve.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics
 
 
 @dataclass(frozen=True)
@@ -45,3 +46,20 @@ class LevelResult:
     load: Load
     metrics: BenchmarkMetrics
     records: tuple[RequestRecord, ...]
+
+
+def round_tag(tag: str, round_index: int) -> str:
+    """A level's prompt stream in one round (the first keeps the plain tag): rounds never share
+    prompts, so no round finds the previous one's in the prefix cache."""
+    return tag if round_index == 0 else f"{tag}/round{round_index}"
+
+
+def merge_rounds(rounds: Sequence[Sequence[LevelResult]]) -> list[LevelResult]:
+    """Each level's records over all rounds, as one level: throughput over the rounds' summed time."""
+    merged = []
+    for levels in zip(*rounds, strict=True):
+        records = tuple(record for level in levels for record in level.records)
+        duration_s = sum(level.metrics.duration_s for level in levels)
+        load = replace(levels[0].load, num_requests=sum(level.load.num_requests for level in levels))
+        merged.append(LevelResult(load, compute_metrics(records, duration_s), records))
+    return merged

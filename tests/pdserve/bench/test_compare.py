@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench import compare
+from pdserve.bench import compare, engine_load
 from pdserve.bench.compare import CompareRow
 from pdserve.bench.engine_load import run_level
 from pdserve.bench.metrics import RequestRecord, compute_metrics
 from pdserve.bench.offline import Measurement, synthetic_prompts
-from pdserve.bench.results import LevelResult, Load
+from pdserve.bench.results import LevelResult, Load, merge_rounds, round_tag
 from pdserve.engine import EngineConfig, LLMEngine
 from tests.factories import build_tiny_model
 
@@ -64,7 +64,7 @@ def test_parse_args_defaults_and_rejects_unknown_systems():
 
 def test_the_engine_row_takes_the_engine_flags_among_a_nodes_flags(tmp_path):
     folder = build_tiny_model(tmp_path)
-    engine = compare.engine_from_flags(
+    engine = engine_load.engine_from_flags(
         str(folder), "--quantization int8 --attention-backend cpu --kv-transport grpc --max-num-seqs 3"
     )
     assert (engine.config.quantization, engine.config.attention_backend) == ("int8", "cpu")
@@ -108,7 +108,7 @@ def level(num_requests: int, duration_s: float, tokens: int) -> LevelResult:
 
 
 def test_rounds_merge_into_one_level_per_concurrency():
-    merged = compare.merge_rounds([[level(2, 4.0, 10)], [level(3, 6.0, 10)]])
+    merged = merge_rounds([[level(2, 4.0, 10)], [level(3, 6.0, 10)]])
     assert len(merged) == 1
     assert merged[0].load.num_requests == 5 and len(merged[0].records) == 5
     assert merged[0].metrics.output_throughput == pytest.approx(50 / 10.0)
@@ -121,7 +121,7 @@ def test_each_round_has_prompts_of_its_own():
 
     args = compare.parse_args(["--input-len", "20"])
     source = compare.conversation_source(args, WordTokenizer(), {"c1": 3})
-    first, second = list(source(compare.round_tag("c1", 0))), list(source(compare.round_tag("c1", 1)))
+    first, second = list(source(round_tag("c1", 0))), list(source(round_tag("c1", 1)))
     assert len(first) == len(second) == 3
     assert {c.turns[0][0]["content"] == d.turns[0][0]["content"] for c, d in zip(first, second)} == {False}
 
@@ -150,9 +150,9 @@ def test_paired_rounds_alternate_the_served_and_the_engine_levels(monkeypatch):
         return [level(2, 2.0, 4)]
 
     monkeypatch.setattr("pdserve.launcher.Launcher", FakeLauncher)
-    monkeypatch.setattr(compare, "load_engine", lambda args, tokenizer: calls.append("engine loaded"))
+    monkeypatch.setattr(engine_load, "load_engine", lambda args, tokenizer: calls.append("engine loaded"))
     monkeypatch.setattr(compare, "sweep", fake_sweep)
-    monkeypatch.setattr(compare, "engine_levels", fake_engine_levels)
+    monkeypatch.setattr(engine_load, "engine_levels", fake_engine_levels)
     args = compare.parse_args(["--concurrency", "1", "--paired-rounds", "3", "--pdserve-flags", "--quantization int8"])
     served, engine = compare.run_paired(args, tokenizer=None)
     assert calls == [
