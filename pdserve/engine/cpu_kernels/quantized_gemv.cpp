@@ -483,8 +483,8 @@ struct Nibbles {
 };
 inline Nibbles widen_nibbles(const uint8_t* bytes) {
   const __m512i lanes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
-  const __m512i mask = _mm512_set1_epi16(15);
-  return {_mm512_and_si512(lanes, mask), _mm512_and_si512(_mm512_srli_epi16(lanes, 4), mask)};
+  // Zero-extended bytes: shifted right by 4, a lane is its high nibble with no mask.
+  return {_mm512_and_si512(lanes, _mm512_set1_epi16(15)), _mm512_srli_epi16(lanes, 4)};
 }
 inline void store_nibbles(const Nibbles& w, int16_t* out) {
   _mm512_storeu_si512(out, w.low);
