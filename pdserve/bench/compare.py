@@ -146,9 +146,9 @@ def conversations_for(tokenizer, tag: str, num_requests: int, input_len: int, ou
     return [Conversation(index, ((user(prompt),),), (output_len,)) for index, prompt in enumerate(prompts)]
 
 
-def conversation_source(args: argparse.Namespace, tokenizer, tag_to_num_requests: dict[str, int]):
+def conversation_source(args: argparse.Namespace, tokenizer, tag_to_num_requests: dict[str, int], round_index=0):
     """tag -> the conversations every system gets: the offline peers' synthetic prompts, or chats
-    with shared system prompts (`--workload chat`, bench/workloads.py)."""
+    with shared system prompts (`--workload chat`, bench/workloads.py); each round its own (round_tag)."""
     if args.workload == "chat":
         config = WorkloadConfig(
             kind="chat",
@@ -158,11 +158,11 @@ def conversation_source(args: argparse.Namespace, tokenizer, tag_to_num_requests
             prefix_len=args.prefix_len,
             num_turns=args.num_turns,
         )
-        return lambda tag: iter_conversations(config, tag)
+        return lambda tag: iter_conversations(config, round_tag(tag, round_index))
 
     def synthetic(tag: str) -> Iterator[Conversation]:
-        num_requests = tag_to_num_requests[tag.split("/")[0]]  # a round's tag extends its level's (round_tag)
-        return iter(conversations_for(tokenizer, tag, num_requests, args.input_len, args.output_len))
+        prompts = round_tag(tag, round_index)
+        return iter(conversations_for(tokenizer, prompts, tag_to_num_requests[tag], args.input_len, args.output_len))
 
     return synthetic
 
@@ -192,10 +192,9 @@ def sweep(base_url: str, args: argparse.Namespace, tokenizer, round_index: int =
     loads = [Load(concurrency=c, num_requests=max(c, args.min_requests)) for c in args.concurrency]
     tag_to_num_requests = {load.tag: load.num_requests for load in loads} | {"warmup": offline.NUM_WARMUP_REQUESTS}
     client_config = ClientConfig(base_url=base_url, endpoint="completions", timeout_s=args.timeout_s)
-    source = conversation_source(args, tokenizer, tag_to_num_requests)
+    source = conversation_source(args, tokenizer, tag_to_num_requests, round_index)
     num_warmup = offline.NUM_WARMUP_REQUESTS if round_index == 0 else 0
-    round_source = (lambda tag: source(round_tag(tag, round_index))) if round_index else source
-    _, results = event_loop.run(run_benchmark(client_config, loads, round_source, num_warmup=num_warmup))
+    _, results = event_loop.run(run_benchmark(client_config, loads, source, num_warmup=num_warmup))
     return results
 
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import PretrainedConfig
 
 from pdserve.engine.attention import BatchLayout, get_attention_backend
+from pdserve.engine.attention.backend import padded_block_tables
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.huge_pages import move_to_huge_pages
 from pdserve.engine.kv_cache import KvCacheSpec, KvCacheStorage, bytes_per_block, kv_caches_over
@@ -202,11 +203,10 @@ class ModelRunner:
         step's ~1-2% at batch 1."""
         num_seqs = len(ordered)
         context_lens = [s.start_position + 1 for s in ordered]
-        max_blocks = -(-max(context_lens) // self.block_size)
-        table = [b for s in ordered for b in s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids))]
-        flat = torch.tensor(input_ids + positions + slots + context_lens + table, dtype=torch.long)
+        table = padded_block_tables([s.block_ids for s in ordered], context_lens, self.block_size)
+        flat = torch.tensor(input_ids + positions + slots + context_lens + [b for row in table for b in row])
         ids, token_positions, token_slots, lens = flat[: 4 * num_seqs].view(4, num_seqs)
-        block_tables = flat[4 * num_seqs :].view(num_seqs, max_blocks)
+        block_tables = flat[4 * num_seqs :].view(num_seqs, len(table[0]))
         return self.decode_stack(ids, token_positions, token_slots, block_tables, lens)
 
     def _flatten(self, ordered: list[ScheduledRequest]):

@@ -35,6 +35,12 @@ class BatchLayout:
         return len(self.query_lens)
 
 
+def padded_block_tables(block_tables: list[list[int]], context_lens: list[int], block_size: int) -> list[list[int]]:
+    """Each sequence's blocks up to the longest context's count, cut or padded with block 0."""
+    max_blocks = -(-max(context_lens) // block_size)
+    return [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in block_tables]
+
+
 class AttentionBackend(ABC):
     """Writes a layer's new K/V into the paged cache and attends over each sequence's context.
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.attention.backend import AttentionBackend, BatchLayout
+from pdserve.engine.attention.backend import AttentionBackend, BatchLayout, padded_block_tables
 
 
 @dataclass
@@ -105,9 +105,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _block_table(block_tables, context_lens, block_size, device) -> torch.Tensor:
-        max_blocks = -(-max(context_lens) // block_size)
-        padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in block_tables]
-        return torch.tensor(padded, dtype=torch.long, device=device)
+        return torch.tensor(
+            padded_block_tables(block_tables, context_lens, block_size), dtype=torch.long, device=device
+        )
 
     def _decode_group(self, block_tables, context_lens, block_size, device) -> _PaddedGroup:
         block_table = self._block_table(block_tables, context_lens, block_size, device)

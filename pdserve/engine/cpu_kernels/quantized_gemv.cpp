@@ -235,6 +235,7 @@ constexpr int kMaxRegisterVectors = 24;  // of the 32 zmm registers: x, two chai
 template <int V>
 static void int8_rows_x_in_registers(const int16_t* xq, const int8_t* qs, const float* scales, float x_scale,
                                      float* ys, int64_t begin, int64_t end, const int8_t* range_end) {
+  static_assert(V <= kMaxRegisterVectors, "x must leave registers for the chains and the widened weights");
   constexpr int64_t K = V * kIntWidth;
   IVec xv[V];
   for (int i = 0; i < V; ++i) xv[i] = load(xq + i * kIntWidth);

@@ -9,7 +9,7 @@ from pdserve.bench.compare import CompareRow
 from pdserve.bench.engine_load import run_level
 from pdserve.bench.metrics import RequestRecord, compute_metrics
 from pdserve.bench.offline import Measurement, synthetic_prompts
-from pdserve.bench.results import LevelResult, Load, merge_rounds, round_tag
+from pdserve.bench.results import LevelResult, Load, merge_rounds
 from pdserve.engine import EngineConfig, LLMEngine
 from tests.factories import build_tiny_model
 
@@ -120,8 +120,8 @@ def test_each_round_has_prompts_of_its_own():
             return [sum(map(ord, word)) for word in text.split()]
 
     args = compare.parse_args(["--input-len", "20"])
-    source = compare.conversation_source(args, WordTokenizer(), {"c1": 3})
-    first, second = list(source(round_tag("c1", 0))), list(source(round_tag("c1", 1)))
+    rounds = [compare.conversation_source(args, WordTokenizer(), {"c1": 3}, round_index=r) for r in (0, 1)]
+    first, second = (list(source("c1")) for source in rounds)
     assert len(first) == len(second) == 3
     assert {c.turns[0][0]["content"] == d.turns[0][0]["content"] for c, d in zip(first, second)} == {False}
 
