@@ -121,6 +121,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# The KV cache dtypes a node may hold (--kv-cache-dtype): a page of any of them fits a cache of any
+# other, converted on arrival. Nodes that quantize differently get different dtypes under auto.
+PAGE_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16")}
+
+
 def contiguous_runs(source_ids, target_ids) -> list[tuple[int, int, int]]:
     """(source start, target start, length) of runs where both id lists count up by one, so a
     run is copied as one slice (a memcpy) instead of gathered block by block."""
@@ -207,7 +212,7 @@ class KvReceiver:
         self.num_layers = len(kv_caches)
         sample = kv_caches[0][0]
         self.block_shape = tuple(sample.shape[1:])
-        self.block_bytes = sample[0].numel() * sample.element_size()
+        self.block_numel = sample[0].numel()
         self.dtype = sample.dtype
         self.reservations: dict[str, _Reservation] = {}
         self.num_bytes_received = 0  # over the gRPC stream
@@ -261,7 +266,8 @@ class KvReceiver:
             self.fail(page.request_id, error)
             raise TransferError(error)
         target = reservation.block_ids[page.block_index : page.block_index + page.num_blocks]
-        data = torch.frombuffer(page.data, dtype=self.dtype).view(page.num_blocks, *self.block_shape)
+        data = torch.frombuffer(page.data, dtype=PAGE_DTYPES[page.dtype]).view(page.num_blocks, *self.block_shape)
+        # A page of another dtype is rounded as the node rounds the K/V it computes itself (copy_).
         copy_blocks(data, self.kv_caches[page.layer][page.kind], range(page.num_blocks), target)
         for i in range(page.block_index, page.block_index + page.num_blocks):
             reservation.received.add((page.layer, page.kind, i))
@@ -339,10 +345,11 @@ class KvReceiver:
             or page.block_index + page.num_blocks > len(reservation.block_ids)
         ):
             return f"{where}: outside the {len(reservation.block_ids)} reserved blocks"
-        if page.dtype != dtype_name(self.dtype):
-            return f"{where}: dtype {page.dtype}, expected {dtype_name(self.dtype)}"
-        if len(page.data) != page.num_blocks * self.block_bytes:
-            return f"{where}: {len(page.data)} bytes, expected {page.num_blocks * self.block_bytes}"
+        if page.dtype not in PAGE_DTYPES:
+            return f"{where}: dtype {page.dtype!r}, expected one of {', '.join(PAGE_DTYPES)}"
+        expected_bytes = page.num_blocks * self.block_numel * PAGE_DTYPES[page.dtype].itemsize
+        if len(page.data) != expected_bytes:
+            return f"{where}: {len(page.data)} bytes, expected {expected_bytes} ({page.dtype})"
         if any(
             (page.layer, page.kind, i) in reservation.received
             for i in range(page.block_index, page.block_index + page.num_blocks)

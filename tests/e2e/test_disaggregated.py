@@ -142,3 +142,22 @@ def test_other_topologies_serve_the_same_greedy_output(tmp_path, fields):
         assert [text for text, _ in results] == [e["text"] for e in offline_generate(model, QUESTIONS[:4])]
         role = "colocated" if fields.get("colocated") else "decode"
         assert routed_counts(cluster.base_url, role) == {f"{role}-0": 4.0}
+
+
+def test_a_prefill_node_with_another_kv_cache_dtype_serves_through_the_page_stream(tmp_path):
+    # Started by hand, nodes that quantize differently get different KV dtypes under auto. The
+    # shared-memory path needs one layout, so the pages go over the gRPC stream in the prefill
+    # node's dtype and the decode node rounds them into its own cache (every request failed before).
+    model = str(build_tiny_chat_model(tmp_path / "model"))
+    plan = e2e_plan(model, tmp_path / "logs", prefill_args=("--kv-cache-dtype", "float16"))
+    with Launcher(plan) as cluster:
+
+        async def chats():
+            api = client(cluster)
+            model_id = (await api.models.list()).data[0].id
+            return await asyncio.gather(*(stream_chat(api, model_id, q) for q in QUESTIONS[:4]))
+
+        results = asyncio.run(chats())
+        assert all(text and finish == "length" for text, finish in results), results
+        assert routed_counts(cluster.base_url, "prefill") == {"prefill-0": 4.0}
+        assert routed_counts(cluster.base_url, "decode") == {"decode-0": 4.0}

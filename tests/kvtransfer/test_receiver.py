@@ -97,7 +97,8 @@ def test_unknown_request_is_rejected():
     "bad, reason",
     [
         (dict(nbytes=10), "bytes"),
-        (dict(dtype="bfloat16"), "dtype"),
+        (dict(dtype="int8"), "dtype 'int8', expected one of float32, float16, bfloat16"),
+        (dict(dtype="bfloat16"), "bytes, expected 128 \\(bfloat16\\)"),  # a float32 page's length
         (dict(layer=NUM_LAYERS), "layer"),
         (dict(block_index=2, num_blocks=2), "outside"),
     ],

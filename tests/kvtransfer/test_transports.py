@@ -56,21 +56,30 @@ def test_grpc_stream_delivers_every_page():
     assert_copied(source, target, [1, 2], [4, 6])
 
 
-def test_grpc_stream_carries_16_bit_caches_and_refuses_a_dtype_the_receiver_does_not_hold():
-    # --kv-cache-dtype float16 on both nodes: pages travel bit for bit. A prefill node started
-    # without it (float32 pages) fails its transfer instead of corrupting the decode node's cache.
+def test_grpc_stream_carries_16_bit_caches_bit_for_bit_and_converts_pages_of_another_dtype():
+    # --kv-cache-dtype float16 on both nodes: pages travel bit for bit. A prefill node with
+    # another cache dtype (under auto: one that quantizes differently) sends its own dtype, and
+    # the decode node stores the pages rounded as it rounds the K/V it computes itself.
     source, target = caches(fill=1.0, dtype=torch.float16), caches(dtype=torch.float16)
+    float32_source, bfloat16_source = caches(fill=1.0), caches(fill=1.0, dtype=torch.bfloat16)
 
     async def body(receiver, sender, destination):
         receiver.reserve("r", [4, 6])
         await push_every_layer(sender, destination, source, [1, 2], KvCommit("r", 9))
-        assert receiver.status("r") == TransferStatus.DONE
         receiver.reserve("float32", [0])
-        with pytest.raises(TransferError, match="dtype float32, expected float16"):
-            await push_every_layer(sender, destination, caches(fill=1.0), [1], KvCommit("float32", 9))
+        await push_every_layer(sender, destination, float32_source, [1], KvCommit("float32", 9))
+        receiver.reserve("bfloat16", [7])
+        await push_every_layer(sender, destination, bfloat16_source, [3], KvCommit("bfloat16", 9))
+        assert [receiver.status(r) for r in ("r", "float32", "bfloat16")] == [TransferStatus.DONE] * 3
 
     over_grpc(target, body)
     assert_copied(source, target, [1, 2], [4, 6])
+    for converted, source_id, target_id in ((float32_source, 1, 0), (bfloat16_source, 3, 7)):
+        for (sk, sv), (tk, tv) in zip(converted, target):
+            assert torch.equal(tk[target_id], sk[source_id].to(torch.float16))
+            assert torch.equal(tv[target_id], sv[source_id].to(torch.float16))
+    float32_keys = float32_source[0][0][1]
+    assert not torch.equal(float32_keys, float32_keys.half().float())  # the float32 pages needed rounding
 
 
 def test_grpc_stream_missing_a_layer_fails_and_a_cancelled_one_commits_nothing():
