@@ -206,6 +206,24 @@ inline void dot_int16(const int16_t* const* a, const int16_t* const* b, int64_t 
 // "sixteenth pass").
 constexpr int64_t kPrefetchBytes = 8192;
 
+// Whether those loops prefetch at all. On AMD CPUs they do not: with the weights on huge pages,
+// Zen 4's hardware prefetchers alone streamed them fastest. One process alternating the two
+// (docs/benchmarks.md, "twenty-first pass"): a 230 MB int8 GEMV read 61-63 GB/s without the
+// software prefetch and 42-43 with it while a plain sum read 62-64 (33-35 against 29-30 when the
+// host's memory was slower), and the engine's int8 batch-1 step took 0.77-0.95x the time (median
+// ~0.84). Elsewhere the loops keep it: the Xeon of the sixth pass needed it (its hardware
+// prefetcher alone left an int8 matrix at ~6 GB/s, rows prefetched ahead gave ~10).
+static bool int8_rows_prefetched() {
+  __builtin_cpu_init();
+  return !__builtin_cpu_is("amd");
+}
+
+// Asks for the bytes kPrefetchBytes ahead of `row` (within the thread's rows), if `prefetch`.
+inline void prefetch_ahead(bool prefetch, const int8_t* row, int64_t K, const int8_t* range_end) {
+  const int8_t* ahead = row + kPrefetchBytes;
+  if (prefetch && ahead < range_end) prefetch_rows<PrefetchTo::kL2>(ahead, std::min<int64_t>(K, range_end - ahead));
+}
+
 // One row of x against one weight row, widened in registers as it streams by: two chains of
 // multiply-adds, whose int32 lanes add exactly, so the result is that of a single chain.
 inline float dot_int8_row(const int16_t* x, const int8_t* w, int64_t K) {
@@ -239,10 +257,10 @@ static void int8_rows_x_in_registers(const int16_t* xq, const int8_t* qs, const 
   constexpr int64_t K = V * kIntWidth;
   IVec xv[V];
   for (int i = 0; i < V; ++i) xv[i] = load(xq + i * kIntWidth);
+  static const bool prefetch = int8_rows_prefetched();
   for (int64_t n = begin; n < end; ++n) {
     const int8_t* row = qs + n * K;
-    const int8_t* ahead = row + kPrefetchBytes;
-    if (ahead < range_end) prefetch_rows<PrefetchTo::kL2>(ahead, std::min<int64_t>(K, range_end - ahead));
+    prefetch_ahead(prefetch, row, K, range_end);
     IVec even = zero(), odd = zero();
 #pragma GCC unroll 32
     for (int i = 0; i + 1 < V; i += 2) {
@@ -339,10 +357,10 @@ static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* 
     if (M == 1 && int8_rows_in_registers(xq.data(), qs, scales, x_scales[0], ys, K, begin, end, range_end)) {
       n = end;
     }
+    static const bool prefetch = int8_rows_prefetched();
     for (; M == 1 && n < end; ++n) {  // batch 1, other widths: one stream of weight rows
       const int8_t* row = qs + n * K;
-      const int8_t* ahead = row + kPrefetchBytes;
-      if (ahead < range_end) prefetch_rows<PrefetchTo::kL2>(ahead, std::min<int64_t>(K, range_end - ahead));
+      prefetch_ahead(prefetch, row, K, range_end);
       ys[n] = dot_int8_row(xq.data(), row, K) * x_scales[0] * scales[n];
     }
     if (M >= 4) {  // a batch below the panels (AVX-512: any): pairs of weight rows, x blocks in L2
