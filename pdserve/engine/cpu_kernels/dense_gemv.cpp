@@ -152,10 +152,32 @@ inline void dot_rows(const float* const* x, int64_t count, const float* const* w
   }
 }
 
+// Batch 1 where the hardware prefetchers suffice (kernels.h): weight rows one after another, each
+// in one chain of multiply-adds and summed as dot_tile sums it, so the same sums. On two Zen 4
+// cores the float32 step took 10.9-12.0 ms this way against 16.4-16.6 with four rows side by side
+// and the 16 KB prefetch, and 14.4-15.5 with one row at a time and a prefetch (the host's memory
+// read 59-64 GB/s; docs/benchmarks.md, "twenty-first pass").
+void dense_row_stream(const float* x, const float* ws, float* ys, int64_t K, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const float* w = ws + n * K;
+    Vec acc = vzero();
+    int64_t k = 0;
+    for (; k + kWidth <= K; k += kWidth) acc = vfma(vload(w + k), vload(x + k), acc);
+    if (k < K) {
+      const Mask mask = tail_mask(K - k);
+      acc = vfma(vload_tail(w + k, mask), vload_tail(x + k, mask), acc);
+    }
+    float sums[4];
+    vsum4(acc, acc, acc, acc, sums);
+    ys[n] = sums[0];
+  }
+}
+
 // Output rows [begin, end) for every row of x: four weight rows at a time (a tail of fewer
 // repeats its last row), each group read from memory once and from L1 by every tile of x rows.
 void dense_rows(const float* xs, const float* ws, float* ys, int64_t M, int64_t N, int64_t K, int64_t begin,
                 int64_t end) {
+  if (M == 1 && hardware_prefetch_suffices()) return dense_row_stream(xs, ws, ys, K, begin, end);
   const int64_t ahead = M == 1 ? stream_prefetch_rows(K) : kPrefetchRows;
   for (int64_t n = begin; n < end; n += 4) {
     const int64_t count = std::min<int64_t>(4, end - n);

@@ -204,19 +204,11 @@ inline void dot_int16(const int16_t* const* a, const int16_t* const* b, int64_t 
 // sum over the same bytes this way; four rows at a time with the rows 8 ahead (4.6 KB at K = 576)
 // took 1.15-1.33x, 4 KB ahead 1.14-1.31x, 12-24 KB ahead 1.07-1.13x (docs/benchmarks.md,
 // "sixteenth pass").
+// It asks only where the hardware prefetchers do not suffice (kernels.h): on the Zen 4 of the
+// twenty-first pass, with the weights on huge pages, a 230 MB int8 GEMV read 61-63 GB/s without
+// the prefetch and 42-43 with it while a plain sum read 62-64, and the engine's int8 batch-1 step
+// took 0.77-0.95x the time.
 constexpr int64_t kPrefetchBytes = 8192;
-
-// Whether those loops prefetch at all. On AMD CPUs they do not: with the weights on huge pages,
-// Zen 4's hardware prefetchers alone streamed them fastest. One process alternating the two
-// (docs/benchmarks.md, "twenty-first pass"): a 230 MB int8 GEMV read 61-63 GB/s without the
-// software prefetch and 42-43 with it while a plain sum read 62-64 (33-35 against 29-30 when the
-// host's memory was slower), and the engine's int8 batch-1 step took 0.77-0.95x the time (median
-// ~0.84). Elsewhere the loops keep it: the Xeon of the sixth pass needed it (its hardware
-// prefetcher alone left an int8 matrix at ~6 GB/s, rows prefetched ahead gave ~10).
-static bool int8_rows_prefetched() {
-  __builtin_cpu_init();
-  return !__builtin_cpu_is("amd");
-}
 
 // Asks for the bytes kPrefetchBytes ahead of `row` (within the thread's rows), if `prefetch`.
 inline void prefetch_ahead(bool prefetch, const int8_t* row, int64_t K, const int8_t* range_end) {
@@ -257,7 +249,7 @@ static void int8_rows_x_in_registers(const int16_t* xq, const int8_t* qs, const 
   constexpr int64_t K = V * kIntWidth;
   IVec xv[V];
   for (int i = 0; i < V; ++i) xv[i] = load(xq + i * kIntWidth);
-  static const bool prefetch = int8_rows_prefetched();
+  static const bool prefetch = !hardware_prefetch_suffices();
   for (int64_t n = begin; n < end; ++n) {
     const int8_t* row = qs + n * K;
     prefetch_ahead(prefetch, row, K, range_end);
@@ -357,7 +349,7 @@ static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* 
     if (M == 1 && int8_rows_in_registers(xq.data(), qs, scales, x_scales[0], ys, K, begin, end, range_end)) {
       n = end;
     }
-    static const bool prefetch = int8_rows_prefetched();
+    static const bool prefetch = !hardware_prefetch_suffices();
     for (; M == 1 && n < end; ++n) {  // batch 1, other widths: one stream of weight rows
       const int8_t* row = qs + n * K;
       prefetch_ahead(prefetch, row, K, range_end);
