@@ -11,5 +11,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dequantize", &pdserve::int4_dequantize, "q * scale + low as float32, or bfloat16 if asked", no_gil());
   m.def("paged_decode_attention", &pdserve::paged_decode_attention,
         "one query token per sequence attending to its context in the paged KV cache, read in place", no_gil());
+  m.def(
+      "set_hardware_prefetch", [](bool on) { pdserve::g_hardware_prefetch = on; },
+      "batch-1 weight streams: one row after another for the hardware prefetchers (True), or prefetched ahead");
+  m.def("hardware_prefetch", &pdserve::hardware_prefetch_suffices, "what set_hardware_prefetch set");
   pdserve::bind_decode_stack(m);
 }

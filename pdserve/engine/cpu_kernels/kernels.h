@@ -20,19 +20,15 @@ namespace pdserve {
 // (docs/benchmarks.md, "Intel Xeon, sixth pass").
 enum class PrefetchTo : int { kL2 = 2, kL1 = 3 };
 
-// Whether batch-1 weight streams are left to the hardware prefetchers: on AMD CPUs they are. With
-// the weights on huge pages, Zen 4's prefetchers alone read one row after another at a plain sum's
-// speed, and a software prefetch ahead of them, or four rows read side by side, slowed the stream
-// (docs/benchmarks.md, "twenty-first pass"). Elsewhere the batch-1 loops keep their prefetches:
-// the Xeon of the sixth pass needed them (its hardware prefetcher alone left an int8 matrix at
-// ~6 GB/s; rows prefetched ahead gave ~10).
-inline bool hardware_prefetch_suffices() {
-  static const bool amd = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
-  }();
-  return amd;
-}
+// Whether batch-1 weight streams are left to the hardware prefetchers: one row after another, no
+// software prefetch. Set once when the module loads (cpu_kernels/__init__.py: by default on AMD
+// CPUs, where with the weights on huge pages Zen 4's prefetchers alone read the rows at a plain
+// sum's speed, and a software prefetch ahead of them, or four rows read side by side, slowed the
+// stream; docs/benchmarks.md, "twenty-first pass"). Otherwise the batch-1 loops prefetch: the
+// Xeon of the sixth pass needed it (its hardware prefetcher alone left an int8 matrix at ~6 GB/s;
+// rows prefetched ahead gave ~10).
+inline bool g_hardware_prefetch = false;
+inline bool hardware_prefetch_suffices() { return g_hardware_prefetch; }
 
 // Asks for `bytes` from `begin` ahead of use: the weights of a step come from memory, not cache.
 template <PrefetchTo kTo = PrefetchTo::kL1>

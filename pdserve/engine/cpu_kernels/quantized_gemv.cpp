@@ -249,7 +249,7 @@ static void int8_rows_x_in_registers(const int16_t* xq, const int8_t* qs, const 
   constexpr int64_t K = V * kIntWidth;
   IVec xv[V];
   for (int i = 0; i < V; ++i) xv[i] = load(xq + i * kIntWidth);
-  static const bool prefetch = !hardware_prefetch_suffices();
+  const bool prefetch = !hardware_prefetch_suffices();
   for (int64_t n = begin; n < end; ++n) {
     const int8_t* row = qs + n * K;
     prefetch_ahead(prefetch, row, K, range_end);
@@ -349,7 +349,7 @@ static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* 
     if (M == 1 && int8_rows_in_registers(xq.data(), qs, scales, x_scales[0], ys, K, begin, end, range_end)) {
       n = end;
     }
-    static const bool prefetch = !hardware_prefetch_suffices();
+    const bool prefetch = !hardware_prefetch_suffices();
     for (; M == 1 && n < end; ++n) {  // batch 1, other widths: one stream of weight rows
       const int8_t* row = qs + n * K;
       prefetch_ahead(prefetch, row, K, range_end);
