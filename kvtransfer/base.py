@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Received pages are read-only buffers that are only ever read; a filter set once is far
-# cheaper than catch_warnings() around every page.
+# Received pages are read-only buffers, only ever read: one filter is cheaper than catch_warnings().
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 MAX_MESSAGE_BYTES = 4 << 20  # gRPC's default limit; one page message stays below it
@@ -121,8 +120,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# The KV cache dtypes a node may hold (--kv-cache-dtype): a page of any of them fits a cache of any
-# other, converted on arrival. Nodes that quantize differently get different dtypes under auto.
+# KV cache dtypes a node may hold (--kv-cache-dtype); a page of one fits a cache of another, converted.
 PAGE_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16")}
 
 

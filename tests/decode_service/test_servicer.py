@@ -200,7 +200,8 @@ def test_second_chat_turn_pushes_only_the_blocks_the_decode_node_lacks(tiny_llam
 
     async def scenario(pair: Pair):
         receiver = pair.receiver
-        bytes_per_block = receiver.num_layers * 2 * receiver.block_bytes  # every layer's K and V
+        block_bytes = receiver.block_numel * receiver.dtype.itemsize
+        bytes_per_block = receiver.num_layers * 2 * block_bytes  # every layer's K and V
         first_reply, reserved = await disaggregated_generate(pair, "turn-1", first_prompt, params)
         assert reserved.num_cached_blocks == 0 and reserved.num_blocks == 3
         assert receiver.num_bytes_received == 3 * bytes_per_block
