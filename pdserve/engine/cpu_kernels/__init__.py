@@ -17,10 +17,10 @@ EPYC hosts) runs, for testing and measuring it on an AVX-512 one. With torch's o
 AVX2 as well (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2), only the memory system and the
 clock are this machine's.
 
-`PDSERVE_CPU_PREFETCH=hardware|software` chooses how batch-1 GEMVs stream their weights: one row
-after another for the CPU's own prefetchers, or with software prefetches ahead of the rows
-(kernels.h). The default, auto, is hardware on AMD CPUs, where it measured faster, and software
-elsewhere; the choice changes no result, only how fast the weights arrive.
+`PDSERVE_CPU_PREFETCH=hardware|software` chooses how batch-1 int8 GEMVs stream their weights:
+left to the CPU's own prefetchers, or with software prefetches ahead of the rows (kernels.h). The
+default, auto, is hardware on AMD CPUs and software elsewhere, each where it measured faster;
+the choice changes no result, only how fast the weights arrive.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one query token per sequence attending to its context in the paged KV cache, read in place", no_gil());
   m.def(
       "set_hardware_prefetch", [](bool on) { pdserve::g_hardware_prefetch = on; },
-      "batch-1 weight streams: one row after another for the hardware prefetchers (True), or prefetched ahead");
+      "batch-1 int8 weight streams: left to the hardware prefetchers (True), or prefetched ahead");
   m.def("hardware_prefetch", &pdserve::hardware_prefetch_suffices, "what set_hardware_prefetch set");
   pdserve::bind_decode_stack(m);
 }

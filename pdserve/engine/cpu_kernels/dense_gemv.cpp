@@ -83,20 +83,9 @@ constexpr int64_t kTileRows = 4;
 #else
 constexpr int64_t kTileRows = 2;
 #endif
-// Weight rows asked for ahead of use. A batch computes long enough on each group of four rows for
-// L1 to hold the next groups: four rows ahead into L1. Batch 1 only streams them by: about 16 KB
-// ahead into L2 (prefetcht1), as quantized_gemv.cpp's batch-1 int8 loop asks for 8 KB; on two
-// Zen 4 cores a float32 decode step took 0.93, 0.93, 0.94, 1.005 and 1.01x the time of the L1
-// prefetch, alternating step by step in one process (37 KB ahead into L2 was within 1% of 18 KB).
+// Weight rows asked for ahead of use by batches, which compute long enough on each group of four
+// rows for L1 to hold the next groups. Batch 1 only streams the rows by: dense_row_stream.
 constexpr int64_t kPrefetchRows = 4;
-constexpr int64_t kStreamPrefetchBytes = 16384;
-
-// Groups of four rows ahead for batch 1: at least one, the distance rounded up to whole groups.
-inline int64_t stream_prefetch_rows(int64_t K) {
-  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(float));
-  const int64_t rows = (kStreamPrefetchBytes + row_bytes - 1) / row_bytes;
-  return std::max<int64_t>(4, (rows + 3) / 4 * 4);
-}
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // R rows of x against four weight rows: R x 4 chains, each loaded vector of x feeding four fused
@@ -152,11 +141,12 @@ inline void dot_rows(const float* const* x, int64_t count, const float* const* w
   }
 }
 
-// Batch 1 where the hardware prefetchers suffice (kernels.h): weight rows one after another, each
-// in one chain of multiply-adds and summed as dot_tile sums it, so the same sums. On two Zen 4
-// cores the float32 step took 10.9-12.0 ms this way against 16.4-16.6 with four rows side by side
-// and the 16 KB prefetch, and 14.4-15.5 with one row at a time and a prefetch (the host's memory
-// read 59-64 GB/s; docs/benchmarks.md, "twenty-first pass").
+// Batch 1: weight rows one after another, no software prefetch, each row in one chain of
+// multiply-adds summed as dot_tile sums it, so the same sums as a batch. Against four rows side by
+// side with a 16 KB prefetch to L2, a float32 step took 10.9-12.0 ms against 16.4-16.6 on two Zen 4
+// cores (memory at 59-64 GB/s), and 24.2-25.5 against 26.2-27.6 on two Xeon cores (26 GB/s), where a
+// prefetch 4-32 KB ahead of the rows gained nothing (docs/benchmarks.md, twenty-first and
+// twenty-second passes). Unlike int8's (quantized_gemv.cpp), on both vendors.
 void dense_row_stream(const float* x, const float* ws, float* ys, int64_t K, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
     const float* w = ws + n * K;
@@ -177,12 +167,10 @@ void dense_row_stream(const float* x, const float* ws, float* ys, int64_t K, int
 // repeats its last row), each group read from memory once and from L1 by every tile of x rows.
 void dense_rows(const float* xs, const float* ws, float* ys, int64_t M, int64_t N, int64_t K, int64_t begin,
                 int64_t end) {
-  if (M == 1 && hardware_prefetch_suffices()) return dense_row_stream(xs, ws, ys, K, begin, end);
-  const int64_t ahead = M == 1 ? stream_prefetch_rows(K) : kPrefetchRows;
+  if (M == 1) return dense_row_stream(xs, ws, ys, K, begin, end);
   for (int64_t n = begin; n < end; n += 4) {
     const int64_t count = std::min<int64_t>(4, end - n);
-    if (n + 4 + ahead <= end && M == 1) prefetch_rows<PrefetchTo::kL2>(ws + (n + ahead) * K, 4 * K * 4);
-    if (n + 4 + ahead <= end && M > 1) prefetch_rows(ws + (n + ahead) * K, 4 * K * 4);
+    if (n + 4 + kPrefetchRows <= end) prefetch_rows(ws + (n + kPrefetchRows) * K, 4 * K * 4);
     const float* rows[4];
     for (int i = 0; i < 4; ++i) rows[i] = ws + (n + std::min<int64_t>(i, count - 1)) * K;
     for (int64_t m = 0; m < M; m += kTileRows) {

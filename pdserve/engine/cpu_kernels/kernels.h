@@ -20,13 +20,12 @@ namespace pdserve {
 // (docs/benchmarks.md, "Intel Xeon, sixth pass").
 enum class PrefetchTo : int { kL2 = 2, kL1 = 3 };
 
-// Whether batch-1 weight streams are left to the hardware prefetchers: one row after another, no
-// software prefetch. Set once when the module loads (cpu_kernels/__init__.py: by default on AMD
-// CPUs, where with the weights on huge pages Zen 4's prefetchers alone read the rows at a plain
-// sum's speed, and a software prefetch ahead of them, or four rows read side by side, slowed the
-// stream; docs/benchmarks.md, "twenty-first pass"). Otherwise the batch-1 loops prefetch: the
-// Xeon of the sixth pass needed it (its hardware prefetcher alone left an int8 matrix at ~6 GB/s;
-// rows prefetched ahead gave ~10).
+// Whether the batch-1 int8 loops leave their weight stream to the hardware prefetchers, with no
+// software prefetch ahead of the rows. Set once when the module loads (cpu_kernels/__init__.py: by
+// default on AMD CPUs, where with the weights on huge pages Zen 4's prefetchers alone read the rows
+// at a plain sum's speed and the prefetch held them to ~70% of it). Elsewhere the loops prefetch: on
+// two Xeon cores a batch-1 int8 step took 5.7-6.7 ms with it and 8.1-8.4 without (docs/benchmarks.md,
+// twenty-first and twenty-second passes). The float32 batch-1 rows stream without it everywhere.
 inline bool g_hardware_prefetch = false;
 inline bool hardware_prefetch_suffices() { return g_hardware_prefetch; }
 

@@ -1,5 +1,5 @@
-"""`PDSERVE_CPU_PREFETCH`: how batch-1 GEMVs stream their weights (one row after another for the
-hardware prefetchers, or with software prefetches ahead) is chosen per CPU vendor by default,
+"""`PDSERVE_CPU_PREFETCH`: how batch-1 int8 GEMVs stream their weights (left to the hardware
+prefetchers, or with software prefetches ahead) is chosen per CPU vendor by default,
 reaches the kernels, and changes no result: the kernels' own tests pass with the choice this
 machine does not make by default, in a child process (the kernels take it once, as they load)."""
 
