@@ -70,6 +70,7 @@ SOURCES = (
     "dense_gemv.cpp",
     "quantized_gemv.cpp",
     "int8_panels.cpp",
+    "bfloat16_prefill.cpp",
     "int4_panels.cpp",
     "paged_attention.cpp",
     "decode_stack.cpp",
@@ -80,8 +81,9 @@ HEADERS = ("kernels.h",)  # compiled only through the sources, but a change to i
 
 @functools.cache
 def cpu_kernels():
-    """int8_linear, int4_linear (quantized_gemv.cpp), paged_decode_attention (paged_attention.cpp),
-    and the Linear and DecodeStack classes (decode_stack.cpp)."""
+    """int8_linear, int4_linear (quantized_gemv.cpp), int8_bfloat16_linear (bfloat16_prefill.cpp),
+    paged_decode_attention (paged_attention.cpp), and the Linear and DecodeStack classes
+    (decode_stack.cpp)."""
     from torch.utils.cpp_extension import get_default_build_root, load
 
     sources = [Path(__file__).with_name(name) for name in SOURCES]

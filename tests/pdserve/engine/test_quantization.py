@@ -127,6 +127,20 @@ def test_int8_prefill_chunks_multiply_in_the_kernel_with_any_row_and_column_coun
     assert (y - exact).norm() / exact.norm() < 1e-4  # int16 activations: up to 3e-5 of each row's largest entry
 
 
+@pytest.mark.parametrize(("num_rows", "in_features", "out_features"), [(65, 128, 96), (210, 576, 97), (7, 33, 5)])
+def test_int8_bfloat16_prefill_chunks_give_torchs_bfloat16_product_to_the_bit(num_rows, in_features, out_features):
+    """Prefill chunks on CPUs with native bfloat16: the kernel's own widening of q and its scaled
+    float epilogue around torch's matmul change no bit of what torch's conversions gave."""
+    torch.manual_seed(3)
+    quantized = Int8Linear(torch.randn(out_features, in_features), None)
+    x = torch.randn(num_rows, in_features).bfloat16()
+    y = cpu_kernels().int8_bfloat16_linear(x, quantized.qweight, quantized.scale)
+    expected = torch.nn.functional.linear(x, quantized.qweight.bfloat16()).float() * quantized.scale
+    assert y.dtype == torch.float32 and torch.equal(y, expected)
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu_kernels().int8_bfloat16_linear(x.float(), quantized.qweight, quantized.scale)
+
+
 @pytest.mark.parametrize(
     ("flags", "native_bfloat16", "to_kernel"),
     [({"avx2"}, False, True), ({"avx2", "avx512_bf16"}, True, False), (set(), False, False)],
