@@ -121,6 +121,40 @@ def test_other_dtypes_fall_back_to_the_torch_path():
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
 
 
+def prefill_batch(query_len: int, context_len: int, cache_dtype: torch.dtype, block_size: int = 16):
+    """One prefill chunk of `query_len` new tokens after `context_len - query_len` cached ones."""
+    torch.manual_seed(4)
+    num_blocks = -(-context_len // block_size)
+    table = list(range(num_blocks))[::-1]  # not in order
+    cache = tuple(torch.randn(num_blocks + 1, block_size, 3, 64).to(cache_dtype) for _ in range(2))
+    positions = range(context_len - query_len, context_len)
+    slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in positions])
+    layout = BatchLayout([query_len], [context_len], [table], 0, slots, block_size)
+    return layout, tuple(torch.randn(query_len, heads, 64) for heads in (9, 3, 3)), cache
+
+
+@pytest.mark.parametrize(("query_len", "context_len"), [(40, 40), (24, 70)])  # fresh; after a cached prefix
+@pytest.mark.parametrize("native_bfloat16", [True, False])
+def test_prefill_chunks_attend_in_bfloat16_under_a_16_bit_cache_where_the_cpu_multiplies_it(
+    monkeypatch, query_len, context_len, native_bfloat16
+):
+    from pdserve.engine.attention import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "fast_bfloat16_matmul", lambda: native_bfloat16)
+    for cache_dtype in (torch.float16, torch.float32):
+        layout, (q, k, v), cache = prefill_batch(query_len, context_len, cache_dtype)
+        outputs = []
+        for name in ("torch", "cpu"):
+            backend = get_attention_backend(name, 9, 3, 64)
+            outputs.append(backend.forward(q, k, v, tuple(c.clone() for c in cache), backend.prepare(layout)))
+        assert outputs[1].dtype == torch.float32
+        if native_bfloat16 and cache_dtype == torch.float16:  # q, K and V rounded to 8 significant bits
+            assert not torch.equal(outputs[1], outputs[0])
+            assert (outputs[1] - outputs[0]).norm() / outputs[0].norm() < 0.01
+        else:
+            assert torch.equal(outputs[1], outputs[0])
+
+
 @pytest.mark.slow
 def test_the_default_model_with_the_cpu_backend_matches_transformers_greedy():
     engine = LLMEngine(EngineConfig(model="smollm2-135m", attention_backend="cpu"))
