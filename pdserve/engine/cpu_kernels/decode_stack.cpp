@@ -15,6 +15,7 @@
 // The Python side (pdserve/engine/models/cpu_decode.py) builds the stack from a loaded model and
 // calls it only for steps in which every sequence decodes one token.
 #include "kernels.h"
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -55,6 +56,32 @@ struct Linear {
   std::optional<torch::Tensor> bias;
 };
 
+// transformers' LlamaRMSNorm in float32: w * (x * rsqrt(mean(x^2) + eps)), row by row; rows are
+// shared out to the threads (prefill chunks call it too: cpu_decode.py, use_kernel_norms), each
+// row computed alone, so the same bits at any thread count.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [rows, hidden] float32");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.numel() == x.size(1), "one float32 weight per column");
+  const int64_t M = x.size(0), N = x.size(1);
+  auto out = torch::empty_like(x);
+  const float* xs = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = xs + m * N;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t n = 0; n < N; ++n) squares += row[n] * row[n];
+      const float inverse = 1.f / std::sqrt(squares / N + epsilon);
+#pragma omp simd
+      for (int64_t n = 0; n < N; ++n) os[m * N + n] = w[n] * (row[n] * inverse);
+    }
+  });
+  return out;
+}
+
 namespace {
 
 struct Layer {
@@ -62,25 +89,6 @@ struct Layer {
   Linear qkv, o, gate_up, down;
   torch::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim], float32
 };
-
-// transformers' LlamaRMSNorm in float32: w * (x * rsqrt(mean(x^2) + eps)), row by row.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, float eps) {
-  const int64_t M = x.size(0), N = x.size(1);
-  auto out = torch::empty_like(x);
-  const float* xs = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* os = out.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = xs + m * N;
-    float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-    for (int64_t n = 0; n < N; ++n) squares += row[n] * row[n];
-    const float inverse = 1.f / std::sqrt(squares / N + eps);
-#pragma omp simd
-    for (int64_t n = 0; n < N; ++n) os[m * N + n] = w[n] * (row[n] * inverse);
-  }
-  return out;
-}
 
 // Rotates the first `heads` heads of each row in place: x * cos + rotate_half(x) * sin, where
 // `signed_sin` already carries rotate_half's sign (models/llama.py, rotary_tables).

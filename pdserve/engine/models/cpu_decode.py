@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.cpu_kernels import cpu_kernels
-from pdserve.engine.models.llama import LlamaModel
+from pdserve.engine.models.llama import LlamaModel, RMSNorm
 from pdserve.engine.quantization import MAX_GEMV_ROWS, Int4Linear, Int8Linear
 
 
@@ -92,6 +92,16 @@ def use_kernel_linears(model: LlamaModel) -> None:
             module = getattr(getattr(layer, parent), name)
             if type(module) is nn.Linear and module.weight.dtype == torch.float32:
                 setattr(getattr(layer, parent), name, KernelLinear.sharing(module))
+
+
+def use_kernel_norms(model: LlamaModel) -> None:
+    """Gives every float32 RMSNorm the C++ one that decode steps use: torch's CPU norm runs as
+    separate passes (pow, mean, rsqrt, two products), ~10 ms of a 210-token prefill on two Xeon
+    cores. Per row the same sums as the decode stack's, within float32 rounding of torch's."""
+    norm = cpu_kernels().rms_norm
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and module.weight.dtype == torch.float32:
+            module.kernel = norm
 
 
 _PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))

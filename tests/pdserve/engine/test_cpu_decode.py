@@ -154,6 +154,38 @@ def test_float32_prefill_projections_go_through_the_kernels_gemm(tmp_path, monke
     assert all(counted.dense_rows[p.weight.data_ptr()] == [prompt_tokens] for p in projections)
 
 
+@pytest.mark.parametrize("num_rows", [1, 5, 16, 17, 210])  # below, at and past the rows one thread takes
+def test_the_kernel_norm_matches_torchs_and_gives_the_same_bits_at_any_thread_count(num_rows):
+    torch.manual_seed(5)
+    x, weight = torch.randn(num_rows, 576) * 3, torch.rand(576) + 0.5
+    norm = cpu_kernels().rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(norm, torch.nn.functional.rms_norm(x, (576,), weight, 1e-5), rtol=1e-6, atol=1e-6)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_kernels().rms_norm(x, weight, 1e-5), norm)
+    finally:
+        torch.set_num_threads(previous)
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu_kernels().rms_norm(x.double(), weight, 1e-5)
+
+
+def test_prefill_chunks_norm_with_the_kernel_that_decode_steps_use(tmp_path, monkeypatch):
+    folder = build_tiny_model(tmp_path)
+    engine = tiny_engine(folder, "int8")
+    model = engine.model_runner.model
+    norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    assert all(n.kernel is not None for n in [*norms, model.norm])
+    rows = []
+    kernel = cpu_kernels().rms_norm
+    for n in [*norms, model.norm]:
+        monkeypatch.setattr(n, "kernel", lambda x, w, eps: rows.append(x.shape[0]) or kernel(x, w, eps))
+    generate(engine, max_tokens=1)  # one step: the three prompts' prefill
+    assert rows == [sum(len(p) for p in PROMPTS)] * (len(norms) + 1)
+    torch_backend = LLMEngine(EngineConfig(model=str(folder), attention_backend="torch"))
+    assert torch_backend.model_runner.model.norm.kernel is None
+
+
 def test_quantized_and_other_backends_keep_their_own_projections(tmp_path):
     folder = build_tiny_model(tmp_path)
     quantized = tiny_engine(folder, "int8").model_runner.model.layers[0].mlp.down_proj
