@@ -20,7 +20,7 @@ from pdserve.engine.attention.backend import padded_block_tables
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.huge_pages import move_to_huge_pages
 from pdserve.engine.kv_cache import KvCacheSpec, KvCacheStorage, bytes_per_block, kv_caches_over
-from pdserve.engine.models.cpu_decode import CpuDecodeStack, use_kernel_linears, use_kernel_norms
+from pdserve.engine.models.cpu_decode import CpuDecodeStack, use_kernel_elementwise, use_kernel_linears
 from pdserve.engine.models.llama import LlamaModel, load_hf_weights, rotary_tables
 from pdserve.engine.quantization import quantize_linears
 from pdserve.engine.request import TokenLogprob
@@ -67,8 +67,8 @@ class ModelRunner:
             else None
         )
         if self.decode_stack is not None:
-            use_kernel_linears(self.model)  # prefill chunks' float32 products and norms too
-            use_kernel_norms(self.model)
+            use_kernel_linears(self.model)  # prefill chunks' float32 products, norms and activations too
+            use_kernel_elementwise(self.model)
         self.decode_graphs = self._capture_decode_graphs(config, hf_config)
         self.sampler = Sampler()
         self.seed_generator = torch.Generator().manual_seed(config.seed)

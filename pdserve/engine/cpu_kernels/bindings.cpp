@@ -9,6 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_bfloat16_linear", &pdserve::int8_bfloat16_linear,
         "float(x @ q.T) * scale for bfloat16 x (prefill chunks), by torch's bfloat16 matmul", no_gil());
   m.def("rms_norm", &pdserve::rms_norm, "w * (x * rsqrt(mean(x^2) + eps)) by rows of float32 x", no_gil());
+  m.def("silu_and_mul", &pdserve::silu_and_mul, "silu(gate) * up for float32 rows laid out [gate | up]", no_gil());
   m.def("int4_linear", &pdserve::int4_linear, "y = x @ w.T, w in int4 groups of 32, for at most 64 rows of float32 x",
         no_gil());
   m.def("int4_dequantize", &pdserve::int4_dequantize, "q * scale + low as float32, or bfloat16 if asked", no_gil());

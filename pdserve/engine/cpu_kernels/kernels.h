@@ -170,6 +170,7 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight);
 // quantized_gemv.cpp
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
 torch::Tensor int8_bfloat16_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low);

@@ -77,9 +77,14 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.activation_kernel = None  # C++ silu(gate) * up, where the CPU kernels run this model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.activation_kernel is not None and gate_up.dtype == torch.float32:
+            rows = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+            return self.down_proj(self.activation_kernel(rows).view(*gate_up.shape[:-1], self.intermediate_size))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 

@@ -170,20 +170,37 @@ def test_the_kernel_norm_matches_torchs_and_gives_the_same_bits_at_any_thread_co
         cpu_kernels().rms_norm(x.double(), weight, 1e-5)
 
 
-def test_prefill_chunks_norm_with_the_kernel_that_decode_steps_use(tmp_path, monkeypatch):
+def test_the_kernel_activation_matches_torchs():
+    torch.manual_seed(6)
+    gate_up = torch.randn(37, 2 * 96) * 4
+    gate, up = gate_up.split(96, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(cpu_kernels().silu_and_mul(gate_up), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        cpu_kernels().silu_and_mul(gate_up[:, :-1].contiguous())
+
+
+def test_prefill_chunks_norm_and_activate_with_the_kernels_that_decode_steps_use(tmp_path, monkeypatch):
     folder = build_tiny_model(tmp_path)
     engine = tiny_engine(folder, "int8")
     model = engine.model_runner.model
     norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    assert all(n.kernel is not None for n in [*norms, model.norm])
-    rows = []
-    kernel = cpu_kernels().rms_norm
-    for n in [*norms, model.norm]:
-        monkeypatch.setattr(n, "kernel", lambda x, w, eps: rows.append(x.shape[0]) or kernel(x, w, eps))
+    norms.append(model.norm)
+    mlps = [layer.mlp for layer in model.layers]
+    rows = {"norm": [], "activation": []}
+    kernels = cpu_kernels()
+    for n in norms:
+        monkeypatch.setattr(n, "kernel", lambda x, w, eps: rows["norm"].append(len(x)) or kernels.rms_norm(x, w, eps))
+    for m in mlps:
+        monkeypatch.setattr(
+            m, "activation_kernel", lambda h: rows["activation"].append(len(h)) or kernels.silu_and_mul(h)
+        )
     generate(engine, max_tokens=1)  # one step: the three prompts' prefill
-    assert rows == [sum(len(p) for p in PROMPTS)] * (len(norms) + 1)
+    prompt_tokens = sum(len(p) for p in PROMPTS)
+    assert rows == {"norm": [prompt_tokens] * len(norms), "activation": [prompt_tokens] * len(mlps)}
     torch_backend = LLMEngine(EngineConfig(model=str(folder), attention_backend="torch"))
     assert torch_backend.model_runner.model.norm.kernel is None
+    assert torch_backend.model_runner.model.layers[0].mlp.activation_kernel is None
 
 
 def test_quantized_and_other_backends_keep_their_own_projections(tmp_path):
