@@ -57,7 +57,7 @@ struct Linear {
 };
 
 // transformers' LlamaRMSNorm in float32: w * (x * rsqrt(mean(x^2) + eps)), row by row; rows are
-// shared out to the threads (prefill chunks call it too: cpu_decode.py, use_kernel_norms), each
+// shared out to the threads (prefill chunks call it too: cpu_decode.py, use_kernel_elementwise), each
 // row computed alone, so the same bits at any thread count.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [rows, hidden] float32");
