@@ -97,8 +97,9 @@ def use_kernel_linears(model: LlamaModel) -> None:
 def use_kernel_elementwise(model: LlamaModel) -> None:
     """Gives the float32 RMSNorms and MLP activations the C++ ones that decode steps use: torch's
     CPU norm runs as separate passes (pow, mean, rsqrt, two products), and silu(gate) * up as
-    three; together ~15 ms of a 210-token prefill on two Xeon cores. Per row the same sums as the
-    decode stack's, within float32 rounding of torch's."""
+    three: a 1024-token int8 prefill took 411-429 ms with these against 464-476 on two Xeon cores
+    (docs/benchmarks.md, twenty-second pass). Per row the same sums as the decode stack's, within
+    float32 rounding of torch's."""
     kernels = cpu_kernels()
     for module in model.modules():
         if isinstance(module, RMSNorm) and module.weight.dtype == torch.float32:
