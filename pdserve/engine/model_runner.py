@@ -67,7 +67,8 @@ class ModelRunner:
             else None
         )
         if self.decode_stack is not None:
-            use_kernel_linears(self.model)  # prefill chunks' float32 products, norms and activations too
+            # Prefill chunks' float32 products, norms and activations go through the kernels too.
+            use_kernel_linears(self.model)
             use_kernel_elementwise(self.model)
         self.decode_graphs = self._capture_decode_graphs(config, hf_config)
         self.sampler = Sampler()

@@ -9,30 +9,22 @@
 #include "kernels.h"
 #include <ATen/Parallel.h>
 
-#include <cstring>
-
 namespace pdserve {
 
 namespace {
 
-inline uint16_t int8_as_bfloat16(int8_t q) {
+// An int8 is exact in bfloat16, so its float's high half is the bfloat16 (no rounding needed).
+inline BFloat16 int8_as_bfloat16(int8_t q) {
   const float value = static_cast<float>(q);
   uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  return static_cast<uint16_t>(bits >> 16);  // exact: the low half is zero
-}
-
-inline float bfloat16_as_float(uint16_t half) {
-  const uint32_t bits = static_cast<uint32_t>(half) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
+  __builtin_memcpy(&bits, &value, sizeof bits);
+  return BFloat16{static_cast<uint16_t>(bits >> 16)};
 }
 
 torch::Tensor widened_to_bfloat16(const torch::Tensor& q) {
   auto weight = torch::empty(q.sizes(), q.options().dtype(torch::kBFloat16));
   const int8_t* source = q.data_ptr<int8_t>();
-  auto* target = reinterpret_cast<uint16_t*>(weight.data_ptr<at::BFloat16>());
+  auto* target = reinterpret_cast<BFloat16*>(weight.data_ptr<at::BFloat16>());
   at::parallel_for(0, q.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) target[i] = int8_as_bfloat16(source[i]);
   });
@@ -43,12 +35,12 @@ torch::Tensor widened_to_bfloat16(const torch::Tensor& q) {
 torch::Tensor scaled_to_float(const torch::Tensor& y, const torch::Tensor& scale) {
   const int64_t M = y.size(0), N = y.size(1);
   auto out = torch::empty({M, N}, y.options().dtype(torch::kFloat32));
-  const auto* source = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+  const auto* source = reinterpret_cast<const BFloat16*>(y.data_ptr<at::BFloat16>());
   const float* scales = scale.data_ptr<float>();
   float* target = out.data_ptr<float>();
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      for (int64_t n = 0; n < N; ++n) target[m * N + n] = bfloat16_as_float(source[m * N + n]) * scales[n];
+      for (int64_t n = 0; n < N; ++n) target[m * N + n] = to_float(source[m * N + n]) * scales[n];
     }
   });
   return out;

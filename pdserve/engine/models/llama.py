@@ -25,9 +25,9 @@ class RMSNorm(nn.Module):
         self.kernel = None  # the C++ norm, where the CPU kernels run this model (cpu_decode.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.dtype == torch.float32:
-            return self.kernel(x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32:
+            if self.kernel is not None:
+                return self.kernel(x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.eps).view(x.shape)
             # One fused kernel instead of seven, bit for bit the same as below in float32
             # (tests/pdserve/engine/test_llama_model.py); other dtypes keep transformers' upcast.
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)

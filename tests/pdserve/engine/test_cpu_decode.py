@@ -189,12 +189,19 @@ def test_prefill_chunks_norm_and_activate_with_the_kernels_that_decode_steps_use
     mlps = [layer.mlp for layer in model.layers]
     rows = {"norm": [], "activation": []}
     kernels = cpu_kernels()
+
+    def norm(x, weight, eps):
+        rows["norm"].append(len(x))
+        return kernels.rms_norm(x, weight, eps)
+
+    def activation(gate_up):
+        rows["activation"].append(len(gate_up))
+        return kernels.silu_and_mul(gate_up)
+
     for n in norms:
-        monkeypatch.setattr(n, "kernel", lambda x, w, eps: rows["norm"].append(len(x)) or kernels.rms_norm(x, w, eps))
+        monkeypatch.setattr(n, "kernel", norm)
     for m in mlps:
-        monkeypatch.setattr(
-            m, "activation_kernel", lambda h: rows["activation"].append(len(h)) or kernels.silu_and_mul(h)
-        )
+        monkeypatch.setattr(m, "activation_kernel", activation)
     generate(engine, max_tokens=1)  # one step: the three prompts' prefill
     prompt_tokens = sum(len(p) for p in PROMPTS)
     assert rows == {"norm": [prompt_tokens] * len(norms), "activation": [prompt_tokens] * len(mlps)}
