@@ -50,6 +50,9 @@ def decode_batch(
         ([100, 7], 6, 2, 8, 64),  # a smaller block size
         ([63, 64, 65, 129], 8, 2, 16, 128),  # the kernel's 64-token chunk edges; head size 128
         ([40, 3], 4, 2, 16, 48),  # a head size the kernel has no special case for
+        ([70, 9], 10, 2, 16, 64),  # KV groups of 5 query heads
+        ([130, 2], 12, 2, 16, 128),  # groups of 6, head size 128
+        ([250, 66, 1], 16, 2, 16, 64),  # groups of 8
     ],
 )
 def test_in_place_decode_attention_equals_the_torch_backend(
