@@ -17,6 +17,7 @@
 // registers across the chunk. Per dot product the first version (kept for other head sizes)
 // did a horizontal sum, and read and wrote its output sums back per token: at batch 32 x 300
 // tokens on a 2-core Xeon it ran a layer in 1.13 ms (float32 cache, cold), this one in 0.78.
+// 16-bit caches take attend_chunk_token_major, the same arithmetic token by token.
 //
 // query [B, H, D], k_cache / v_cache [num_blocks, block_size, KVH, D] (float32, contiguous),
 // block_tables [B, max_blocks] int64, context_lens [B] int64 -> out [B, H, D]
@@ -247,6 +248,68 @@ void attend_chunk_vectorized(const float* q, const T* ks, const T* vs, const int
     for (int64_t j = 0; j < kVectors; ++j) Vec::store(acc + h * kD + j * kLanes, out[j]);
   }
 }
+// A thread's buffer of `count` vectors, kept between calls (a chunk's partial dot products).
+template <typename V>
+std::vector<V>& partial_buffer(int64_t count) {
+  static thread_local std::vector<V> buffer;
+  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
+  return buffer;
+}
+
+// attend_chunk_vectorized for 16-bit caches, token by token: each token's K row (all KV heads,
+// contiguous) converts once and scores every query head before the next token's, and its V row
+// adds into every head's output sums (kept in L1, read and written per token). Head by head, all
+// of a chunk's misses fell in each KV head's first query head, and the other heads computed with
+// nothing in flight: compute and memory took turns. Decode steps of 8 x 800 tokens (int8, float16
+// cache, 2-core Xeon) took 0.92x the time, 32 x 300 and 1 x 800 0.96x; with a float32 cache 1.10x,
+// so float32 rows stay head by head (docs/benchmarks.md, twenty-third pass).
+template <int64_t kD, typename T>
+void attend_chunk_token_major(const float* q, const T* ks, const T* vs, const int64_t* blocks, int64_t t0, int64_t t1,
+                              const Shapes& s, float softmax_scale, std::vector<float>& scores,
+                              std::vector<const T*>& rows, float* max, float* sum, float* acc) {
+  using Vec = FloatVec;
+  using V = typename Vec::V;
+  constexpr int64_t kLanes = Vec::kLanes, kVectors = kD / kLanes;
+  static_assert(kD % kLanes == 0, "a head is a whole number of vectors");
+  const int64_t n = t1 - t0, H = s.H;
+  scores.resize(H * n);
+  std::vector<V>& partial = partial_buffer<V>(H * kLanes);
+  const V scale = Vec::broadcast(softmax_scale);
+  for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+    for (int64_t i = 0; i < kLanes; ++i) {
+      const int64_t t = t0 + std::min(i0 + i, n - 1);  // past the chunk's end: a real row, result unused
+      for (int64_t kv_head = 0; kv_head < s.KVH; ++kv_head) {
+        const T* k = kv_row(ks, blocks, t, kv_head, s);
+        V key[kVectors];
+        for (int64_t j = 0; j < kVectors; ++j) key[j] = Vec::load(k + j * kLanes);
+        for (int64_t h = kv_head * s.group; h < (kv_head + 1) * s.group; ++h) {
+          V dot = Vec::mul(Vec::load(q + h * kD), key[0]);
+          for (int64_t j = 1; j < kVectors; ++j) dot = Vec::fmadd(Vec::load(q + h * kD + j * kLanes), key[j], dot);
+          partial[h * kLanes + i] = dot;
+        }
+      }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      float tile[kLanes];
+      Vec::store(tile, Vec::mul(Vec::sum_each(partial.data() + h * kLanes), scale));
+      std::copy(tile, tile + std::min(kLanes, n - i0), scores.data() + h * n + i0);
+    }
+  }
+  chunk_softmax(scores.data(), H, n, max, sum);
+  std::fill(acc, acc + H * kD, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t kv_head = 0; kv_head < s.KVH; ++kv_head) {
+      const T* v = kv_row(vs, blocks, t0 + i, kv_head, s);
+      V value[kVectors];
+      for (int64_t j = 0; j < kVectors; ++j) value[j] = Vec::load(v + j * kLanes);
+      for (int64_t h = kv_head * s.group; h < (kv_head + 1) * s.group; ++h) {
+        const V weight = Vec::broadcast(scores[h * n + i]);
+        float* out = acc + h * kD;
+        for (int64_t j = 0; j < kVectors; ++j) Vec::store(out + j * kLanes, Vec::fmadd(weight, value[j], Vec::load(out + j * kLanes)));
+      }
+    }
+  }
+}
 #endif
 
 // A piece [t0, t1) of one sequence's context: one task.
@@ -343,7 +406,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
         const int64_t* blocks = table + b * max_blocks;
 #ifdef PDSERVE_VECTORIZED_ATTENTION
         if (D == 64 || D == 128) {
-          const auto attend = D == 64 ? attend_chunk_vectorized<64, T> : attend_chunk_vectorized<128, T>;
+          // 16-bit rows token by token; float32 rows head by head, which measured faster for them.
+          const auto attend = sizeof(T) == 2 ? (D == 64 ? attend_chunk_token_major<64, T> : attend_chunk_token_major<128, T>)
+                                             : (D == 64 ? attend_chunk_vectorized<64, T> : attend_chunk_vectorized<128, T>);
           attend(qb, ks, vs, blocks, chunk.t0, chunk.t1, shapes, softmax_scale, scores, rows, max, sum, acc);
           continue;
         }

@@ -86,7 +86,9 @@ def test_every_thread_count_splits_the_context_without_changing_the_result(conte
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (10, 2, 64), (16, 2, 64), (4, 4, 64)]
+)
 def test_16_bit_caches_are_read_in_place_as_the_torch_backend_reads_them(
     cache_dtype, num_heads, num_kv_heads, head_dim
 ):
