@@ -248,6 +248,7 @@ void attend_chunk_vectorized(const float* q, const T* ks, const T* vs, const int
     for (int64_t j = 0; j < kVectors; ++j) Vec::store(acc + h * kD + j * kLanes, out[j]);
   }
 }
+
 // A thread's buffer of `count` vectors, kept between calls (a chunk's partial dot products).
 template <typename V>
 std::vector<V>& partial_buffer(int64_t count) {
@@ -266,7 +267,8 @@ std::vector<V>& partial_buffer(int64_t count) {
 template <int64_t kD, typename T>
 void attend_chunk_token_major(const float* q, const T* ks, const T* vs, const int64_t* blocks, int64_t t0, int64_t t1,
                               const Shapes& s, float softmax_scale, std::vector<float>& scores,
-                              std::vector<const T*>& rows, float* max, float* sum, float* acc) {
+                              std::vector<const T*>& /* rows: attend_chunk_vectorized's */, float* max, float* sum,
+                              float* acc) {
   using Vec = FloatVec;
   using V = typename Vec::V;
   constexpr int64_t kLanes = Vec::kLanes, kVectors = kD / kLanes;
@@ -305,7 +307,9 @@ void attend_chunk_token_major(const float* q, const T* ks, const T* vs, const in
       for (int64_t h = kv_head * s.group; h < (kv_head + 1) * s.group; ++h) {
         const V weight = Vec::broadcast(scores[h * n + i]);
         float* out = acc + h * kD;
-        for (int64_t j = 0; j < kVectors; ++j) Vec::store(out + j * kLanes, Vec::fmadd(weight, value[j], Vec::load(out + j * kLanes)));
+        for (int64_t j = 0; j < kVectors; ++j) {
+          Vec::store(out + j * kLanes, Vec::fmadd(weight, value[j], Vec::load(out + j * kLanes)));
+        }
       }
     }
   }
@@ -407,8 +411,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
 #ifdef PDSERVE_VECTORIZED_ATTENTION
         if (D == 64 || D == 128) {
           // 16-bit rows token by token; float32 rows head by head, which measured faster for them.
-          const auto attend = sizeof(T) == 2 ? (D == 64 ? attend_chunk_token_major<64, T> : attend_chunk_token_major<128, T>)
-                                             : (D == 64 ? attend_chunk_vectorized<64, T> : attend_chunk_vectorized<128, T>);
+          const auto attend = sizeof(T) == 2
+                                  ? (D == 64 ? attend_chunk_token_major<64, T> : attend_chunk_token_major<128, T>)
+                                  : (D == 64 ? attend_chunk_vectorized<64, T> : attend_chunk_vectorized<128, T>);
           attend(qb, ks, vs, blocks, chunk.t0, chunk.t1, shapes, softmax_scale, scores, rows, max, sum, acc);
           continue;
         }
