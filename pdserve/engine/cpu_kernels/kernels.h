@@ -169,13 +169,12 @@ inline T* cache_data(const torch::Tensor& cache) {
 torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight);
 // quantized_gemv.cpp
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
-torch::Tensor int8_bfloat16_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                               bool bfloat16);
+// bfloat16_prefill.cpp
+torch::Tensor int8_bfloat16_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
 // int8_panels.cpp: rows of x already rounded to int16 (one scale each) against int8 weights;
 // false where the CPU lacks AVX2
 bool int8_linear_panels(const int16_t* xq, const float* x_scales, const int8_t* qs, const float* scales, float* ys,
@@ -188,7 +187,10 @@ bool int4_linear_panels(const int16_t* xq, const float* x_scales, const float* x
 torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                      const torch::Tensor& context_lens, double scale);
-// decode_stack.cpp: its Linear and DecodeStack classes
+// decode_stack.cpp: its norm and activation (prefill chunks call them too), and its Linear and
+// DecodeStack classes
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
 void bind_decode_stack(pybind11::module& m);
 
 }  // namespace pdserve

@@ -249,14 +249,6 @@ void attend_chunk_vectorized(const float* q, const T* ks, const T* vs, const int
   }
 }
 
-// A thread's buffer of `count` vectors, kept between calls (a chunk's partial dot products).
-template <typename V>
-std::vector<V>& partial_buffer(int64_t count) {
-  static thread_local std::vector<V> buffer;
-  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
-  return buffer;
-}
-
 // attend_chunk_vectorized for 16-bit caches, token by token: each token's K row (all KV heads,
 // contiguous) converts once and scores every query head before the next token's, and its V row
 // adds into every head's output sums (kept in L1, read and written per token). Head by head, all
@@ -267,15 +259,14 @@ std::vector<V>& partial_buffer(int64_t count) {
 template <int64_t kD, typename T>
 void attend_chunk_token_major(const float* q, const T* ks, const T* vs, const int64_t* blocks, int64_t t0, int64_t t1,
                               const Shapes& s, float softmax_scale, std::vector<float>& scores,
-                              std::vector<const T*>& /* rows: attend_chunk_vectorized's */, float* max, float* sum,
-                              float* acc) {
+                              std::vector<FloatVec::V>& partial, float* max, float* sum, float* acc) {
   using Vec = FloatVec;
   using V = typename Vec::V;
   constexpr int64_t kLanes = Vec::kLanes, kVectors = kD / kLanes;
   static_assert(kD % kLanes == 0, "a head is a whole number of vectors");
   const int64_t n = t1 - t0, H = s.H;
   scores.resize(H * n);
-  std::vector<V>& partial = partial_buffer<V>(H * kLanes);
+  partial.resize(H * kLanes);  // each head's dot products of kLanes tokens, before their reduction
   const V scale = Vec::broadcast(softmax_scale);
   for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
     for (int64_t i = 0; i < kLanes; ++i) {
@@ -401,6 +392,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
     at::parallel_for(0, num_shares, 1, [&](int64_t share_begin, int64_t share_end) {
       std::vector<float> scores;
       std::vector<const T*> rows;
+#ifdef PDSERVE_VECTORIZED_ATTENTION
+      std::vector<FloatVec::V> partial;
+#endif
       for (int64_t task = plan.first_task_of_share[share_begin]; task < plan.first_task_of_share[share_end]; ++task) {
         const Chunk& chunk = plan.tasks[task];
         const int64_t b = chunk.sequence;
@@ -411,10 +405,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
 #ifdef PDSERVE_VECTORIZED_ATTENTION
         if (D == 64 || D == 128) {
           // 16-bit rows token by token; float32 rows head by head, which measured faster for them.
-          const auto attend = sizeof(T) == 2
-                                  ? (D == 64 ? attend_chunk_token_major<64, T> : attend_chunk_token_major<128, T>)
-                                  : (D == 64 ? attend_chunk_vectorized<64, T> : attend_chunk_vectorized<128, T>);
-          attend(qb, ks, vs, blocks, chunk.t0, chunk.t1, shapes, softmax_scale, scores, rows, max, sum, acc);
+          if constexpr (sizeof(T) == 2) {
+            const auto attend = D == 64 ? attend_chunk_token_major<64, T> : attend_chunk_token_major<128, T>;
+            attend(qb, ks, vs, blocks, chunk.t0, chunk.t1, shapes, softmax_scale, scores, partial, max, sum, acc);
+          } else {
+            const auto attend = D == 64 ? attend_chunk_vectorized<64, T> : attend_chunk_vectorized<128, T>;
+            attend(qb, ks, vs, blocks, chunk.t0, chunk.t1, shapes, softmax_scale, scores, rows, max, sum, acc);
+          }
           continue;
         }
 #endif
