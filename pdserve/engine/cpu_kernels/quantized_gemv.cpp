@@ -659,8 +659,8 @@ static void int4_rows4_integer(const Int4Inputs& in, const uint8_t* const* rows,
 // lows are streams of their own, a third of the bytes, which no software prefetch covered. On two
 // Zen 5 cores, alternating in one engine, int4 batch-1 steps took 0.93-0.96x the time of the
 // weight rows alone 8 rows ahead; 8 rows ahead for all three, 0.97x (docs/benchmarks.md,
-// "twenty-fourth pass").
-constexpr int64_t kInt4PrefetchRows = 16;
+// "twenty-fourth pass"). 16 rows of int4 weights are the bytes of kPrefetchRows int8 rows.
+constexpr int64_t kInt4PrefetchRows = 2 * kPrefetchRows;
 
 // Batch 1: each weight row is widened in registers as it streams by.
 static void int4_linear_one_row(const Int4Inputs& in, const uint8_t* ps, const float* scales, const float* lows,
