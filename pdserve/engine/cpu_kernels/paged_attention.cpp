@@ -202,6 +202,14 @@ void chunk_rows(const T* cache, const int64_t* blocks, int64_t t0, int64_t t1, c
   }
 }
 
+// The scaled scores of kLanes tokens from their kLanes vectors of partial dot products (one
+// transposed reduction); only the first `count` are stored (past a chunk's end, none).
+inline void store_scores(const FloatVec::V* partial, FloatVec::V scale, int64_t count, float* scores) {
+  float tile[FloatVec::kLanes];
+  FloatVec::store(tile, FloatVec::mul(FloatVec::sum_each(partial), scale));
+  std::copy(tile, tile + count, scores);
+}
+
 // attend_chunk for head sizes that are whole vectors: a query head's scores kLanes tokens at a
 // time (kLanes dot products, then one transposed reduction), and its output sums kept in
 // registers across the chunk's tokens instead of read and written back per token.
@@ -229,9 +237,7 @@ void attend_chunk_vectorized(const float* q, const T* ks, const T* vs, const int
         for (int64_t j = 1; j < kVectors; ++j) dot = Vec::fmadd(query[j], Vec::load(k + j * kLanes), dot);
         partial[i] = dot;
       }
-      float tile[kLanes];
-      Vec::store(tile, Vec::mul(Vec::sum_each(partial), scale));
-      std::copy(tile, tile + std::min(kLanes, n - i0), scores.data() + h * n + i0);
+      store_scores(partial, scale, std::min(kLanes, n - i0), scores.data() + h * n + i0);
     }
   }
   chunk_softmax(scores.data(), s.H, n, max, sum);
@@ -283,9 +289,7 @@ void attend_chunk_token_major(const float* q, const T* ks, const T* vs, const in
       }
     }
     for (int64_t h = 0; h < H; ++h) {
-      float tile[kLanes];
-      Vec::store(tile, Vec::mul(Vec::sum_each(partial.data() + h * kLanes), scale));
-      std::copy(tile, tile + std::min(kLanes, n - i0), scores.data() + h * n + i0);
+      store_scores(partial.data() + h * kLanes, scale, std::min(kLanes, n - i0), scores.data() + h * n + i0);
     }
   }
   chunk_softmax(scores.data(), H, n, max, sum);
