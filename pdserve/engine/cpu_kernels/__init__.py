@@ -19,8 +19,9 @@ clock are this machine's.
 
 `PDSERVE_CPU_PREFETCH=hardware|software` chooses how batch-1 int8 GEMVs stream their weights:
 left to the CPU's own prefetchers, or with software prefetches ahead of the rows (kernels.h). The
-default, auto, is hardware on AMD CPUs and software elsewhere, each where it measured faster;
-the choice changes no result, only how fast the weights arrive.
+default, auto, is hardware on AMD CPUs with AVX-512 (Zen 4 and later) and software elsewhere,
+Zen 3 included, each where it measured faster; the choice changes no result, only how fast the
+weights arrive.
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ def hardware_prefetch() -> bool:
     choice = os.environ.get(CPU_PREFETCH_ENV, "auto")
     if choice not in PREFETCH_CHOICES:
         raise ValueError(f"{CPU_PREFETCH_ENV} must be one of {', '.join(PREFETCH_CHOICES)}, got {choice!r}")
-    return cpu_vendor() == "AuthenticAMD" if choice == "auto" else choice == "hardware"
+    if choice != "auto":
+        return choice == "hardware"
+    # AVX-512 marks AMD's Zen 4 and later, whose prefetchers kept up alone (docs/benchmarks.md,
+    # "twenty-first pass"); on a Zen 3 (AVX2) the software prefetch made int8 batch-1 steps
+    # 0.93x as long, alternating in one engine ("twenty-fifth pass").
+    return cpu_vendor() == "AuthenticAMD" and "avx512f" in cpu_flags()
 
 
 def compile_flags() -> list[str]:
@@ -124,6 +130,11 @@ def exclusive_build(build_dir: Path) -> Iterator[None]:
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id: AuthenticAMD, GenuineIntel, ... ("" where there is none)."""
     return _cpuinfo_field("vendor_id").partition(":")[2].strip()
+
+
+def cpu_flags() -> set[str]:
+    """/proc/cpuinfo's feature flags (avx2, avx512f, ...)."""
+    return set(_cpuinfo_field("flags").partition(":")[2].split())
 
 
 def _cpu_flags() -> bytes:

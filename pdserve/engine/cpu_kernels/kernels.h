@@ -22,10 +22,11 @@ enum class PrefetchTo : int { kL2 = 2, kL1 = 3 };
 
 // Whether the batch-1 int8 loops leave their weight stream to the hardware prefetchers, with no
 // software prefetch ahead of the rows. Set once when the module loads (cpu_kernels/__init__.py: by
-// default on AMD CPUs, where with the weights on huge pages Zen 4's prefetchers alone read the rows
-// at a plain sum's speed and the prefetch held them to ~70% of it). Elsewhere the loops prefetch: on
-// two Xeon cores a batch-1 int8 step took 5.7-6.7 ms with it and 8.1-8.4 without (docs/benchmarks.md,
-// twenty-first and twenty-second passes). The float32 batch-1 rows stream without it everywhere.
+// default on AMD CPUs with AVX-512, where with the weights on huge pages Zen 4's prefetchers alone
+// read the rows at a plain sum's speed and the prefetch held them to ~70% of it). Elsewhere the loops
+// prefetch: on two Xeon cores a batch-1 int8 step took 5.7-6.7 ms with it and 8.1-8.4 without, and
+// on an AVX2-only Zen 3 0.93x as long as without (docs/benchmarks.md, twenty-first, twenty-second
+// and twenty-fifth passes). The float32 batch-1 rows stream without it everywhere.
 inline bool g_hardware_prefetch = false;
 inline bool hardware_prefetch_suffices() { return g_hardware_prefetch; }
 

@@ -1,5 +1,5 @@
 """`PDSERVE_CPU_PREFETCH`: how batch-1 int8 GEMVs stream their weights (left to the hardware
-prefetchers, or with software prefetches ahead) is chosen per CPU vendor by default,
+prefetchers, or with software prefetches ahead) is chosen per CPU kind by default,
 reaches the kernels, and changes no result: the kernels' own tests pass with the choice this
 machine does not make by default, in a child process (the kernels take it once, as they load)."""
 
@@ -23,10 +23,19 @@ def run_with(choice: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.parametrize(("vendor", "expected"), [("AuthenticAMD", True), ("GenuineIntel", False), ("", False)])
-def test_auto_leaves_the_streams_to_the_hardware_on_amd_cpus_only(monkeypatch, vendor, expected):
+@pytest.mark.parametrize(
+    ("vendor", "flags", "expected"),
+    [
+        ("AuthenticAMD", {"avx2", "avx512f"}, True),  # Zen 4 and later
+        ("AuthenticAMD", {"avx2"}, False),  # Zen 3
+        ("GenuineIntel", {"avx2", "avx512f"}, False),
+        ("", set(), False),
+    ],
+)
+def test_auto_leaves_the_streams_to_the_hardware_on_amd_cpus_with_avx512_only(monkeypatch, vendor, flags, expected):
     monkeypatch.delenv(CPU_PREFETCH_ENV, raising=False)
     monkeypatch.setattr(kernels_module, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(kernels_module, "cpu_flags", lambda: flags)
     assert hardware_prefetch() is expected
     monkeypatch.setenv(CPU_PREFETCH_ENV, "software")
     assert hardware_prefetch() is False
