@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -479,7 +480,7 @@ static void int4_linear_batched(const float* xs, const uint8_t* ps, const float*
 // step's int4 products at batch 1 went from 9.6 to 3.3 ms, at batch 8 from 22.6 to 13.7 (Xeon, 2
 // cores). At batches the float conversion and scale per group and row of x bound these loops
 // (about twice int8's work per weight, where int8 converts once per 4096 inputs), so from 16 rows
-// up the panels of int4_panels.cpp serve instead. A lane sums at most 4 products of 15 * 16383:
+// up the panels of int4_panels.cpp serve instead. A lane sums at most 8 products of 15 * 16383:
 // exact.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Two groups per step: their 32 bytes widen to 32 int16 lanes at once (one vpmovzxbw), whose low
@@ -502,6 +503,8 @@ inline void store_nibbles(const Nibbles& w, int16_t* out) {
   _mm512_storeu_si512(out + 32, w.high);
 }
 inline Nibbles load_nibbles(const int16_t* wide) { return {_mm512_loadu_si512(wide), _mm512_loadu_si512(wide + 32)}; }
+// The input of a step (0..63) that its int16 lane p multiplies: low nibbles of both groups, then high.
+constexpr int64_t step_input(int64_t p) { return (p % 32) / 16 * 32 + p / 32 * 16 + p % 16; }
 inline FVec nibble_products(const int16_t* x, const Nibbles& w) {
   const __m512i sums = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(x), w.low);
   return _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(sums, _mm512_loadu_si512(x + 32), w.high));
@@ -523,33 +526,51 @@ inline FVec add_low_terms(FVec acc, const float* lows, const float* sums, int64_
   return acc;
 }
 #elif defined(__AVX2__)
+// Two groups per step too, widened with shifts and masks, no shuffles: each 16-bit lane of their 32
+// bytes holds four nibbles (the low and high nibble of an even byte, then of the odd byte after it),
+// and masked out in place they are four vectors of int16 lanes. Lanes 0-7 hold the first group's
+// bytes, 8-15 the second's, so int32 lanes 0-3 sum the first group and 4-7 the second, which take
+// their two scales in one vector. Widening one group at a time with vpmovzxbw (two per group, on
+// the shuffle unit) bound the batch-1 loop on Zen 3: see kInt4PrefetchRows's note.
 constexpr bool kInt4Integer = true;
-constexpr int64_t kInt4GroupsPerStep = 1;
+constexpr int64_t kInt4GroupsPerStep = 2;
 using FVec = __m256;
 struct Nibbles {
-  __m256i low, high;
+  __m256i even_low, even_high, odd_low, odd_high;
 };
 inline Nibbles widen_nibbles(const uint8_t* bytes) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-  const __m128i mask = _mm_set1_epi8(15);
-  return {_mm256_cvtepu8_epi16(_mm_and_si128(packed, mask)),
-          _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask))};
+  const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  const __m256i mask = _mm256_set1_epi16(15);
+  return {_mm256_and_si256(lanes, mask), _mm256_and_si256(_mm256_srli_epi16(lanes, 4), mask),
+          _mm256_and_si256(_mm256_srli_epi16(lanes, 8), mask), _mm256_srli_epi16(lanes, 12)};
 }
 inline void store_nibbles(const Nibbles& w, int16_t* out) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), w.low);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), w.high);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), w.even_low);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), w.even_high);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), w.odd_low);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 48), w.odd_high);
 }
+// The input of a step (0..63) that its int16 lane p multiplies: the four vectors of widen_nibbles
+// in turn, lane i of each from bytes 2i (low, high nibble) and 2i + 1 (low, high).
+constexpr int64_t step_input(int64_t p) {
+  const int64_t byte = 2 * (p % 16) + p / 32;
+  return byte / 16 * 32 + (p / 16) % 2 * 16 + byte % 16;
+}
+inline __m256i load_lanes(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline Nibbles load_nibbles(const int16_t* wide) {
-  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wide)),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wide + 16))};
+  return {load_lanes(wide), load_lanes(wide + 16), load_lanes(wide + 32), load_lanes(wide + 48)};
 }
 inline FVec nibble_products(const int16_t* x, const Nibbles& w) {
-  const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i x_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(x_low, w.low), _mm256_madd_epi16(x_high, w.high)));
+  const __m256i even = _mm256_add_epi32(_mm256_madd_epi16(load_lanes(x), w.even_low),
+                                        _mm256_madd_epi16(load_lanes(x + 16), w.even_high));
+  const __m256i odd = _mm256_add_epi32(_mm256_madd_epi16(load_lanes(x + 32), w.odd_low),
+                                       _mm256_madd_epi16(load_lanes(x + 48), w.odd_high));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd));
 }
 inline FVec fzero() { return _mm256_setzero_ps(); }
-inline FVec step_scales(const float* scales) { return _mm256_set1_ps(*scales); }
+inline FVec step_scales(const float* scales) {  // lanes 0-3: the first group's scale, 4-7: the second's
+  return _mm256_set_m128(_mm_set1_ps(scales[1]), _mm_set1_ps(scales[0]));
+}
 inline FVec scaled_add(FVec acc, FVec products, FVec scales) { return _mm256_fmadd_ps(products, scales, acc); }
 inline float fsum(FVec acc) { return horizontal_sum(acc); }
 inline FVec add_low_terms(FVec acc, const float* lows, const float* sums, int64_t G) {
@@ -571,6 +592,7 @@ struct Nibbles {
 inline Nibbles widen_nibbles(const uint8_t*) { return {0, 0}; }
 inline void store_nibbles(const Nibbles&, int16_t*) {}
 inline Nibbles load_nibbles(const int16_t*) { return {0, 0}; }
+constexpr int64_t step_input(int64_t p) { return p; }
 inline FVec nibble_products(const int16_t*, const Nibbles&) { return 0.f; }
 inline FVec fzero() { return 0.f; }
 inline FVec step_scales(const float*) { return 0.f; }
@@ -594,8 +616,8 @@ constexpr int64_t kInt4Step = kInt4GroupsPerStep * kGroup;
 // x's sums, not x's own, so that the result is the dequantized weights' product with the rounded
 // x, as for int8: with x's own sums the rounding errors of the nibble products (q in 0..15, not
 // centred) no longer cancel against the low terms (2e-4 of the result, not 6e-5). The dot-product
-// loops read x in step order (per step of two groups, inputs 0..15 of both, then inputs 16..31
-// of both; one group per step: the order of x); the panels read it as it is.
+// loops read x in step order (step_input: the order in which widen_nibbles lays out a step's
+// nibbles); the panels read it as it is.
 struct Int4Inputs {
   std::vector<int16_t> rounded;  // [M, K]
   std::vector<int16_t> x;        // [M, K] in step order (the dot-product loops only)
@@ -618,19 +640,21 @@ static bool round_int4_inputs(const float* xs, int64_t M, int64_t K, Int4Inputs&
   return true;
 }
 
+// step_input for each lane of a step, as a table: computed per entry, the divisions made this copy
+// most of a small int4 GEMV's fixed time.
+constexpr std::array<int64_t, kInt4Step> kStepOrder = [] {
+  std::array<int64_t, kInt4Step> order{};
+  for (int64_t p = 0; p < kInt4Step; ++p) order[p] = step_input(p);
+  return order;
+}();
+
 static void order_int4_inputs(int64_t M, int64_t K, Int4Inputs& in) {
-  constexpr int64_t kHalf = kGroup / 2;
   in.x.resize(M * K);
   for (int64_t m = 0; m < M; ++m) {
     const int16_t* row = in.rounded.data() + m * K;
     int16_t* out = in.x.data() + m * K;
     for (int64_t base = 0; base < K; base += kInt4Step) {
-      for (int64_t g = 0; g < kInt4GroupsPerStep; ++g) {
-        for (int64_t j = 0; j < kHalf; ++j) {
-          out[base + g * kHalf + j] = row[base + g * kGroup + j];
-          out[base + kInt4GroupsPerStep * kHalf + g * kHalf + j] = row[base + g * kGroup + kHalf + j];
-        }
-      }
+      for (int64_t p = 0; p < kInt4Step; ++p) out[base + p] = row[base + kStepOrder[p]];
     }
   }
 }
