@@ -530,8 +530,9 @@ inline FVec add_low_terms(FVec acc, const float* lows, const float* sums, int64_
 // bytes holds four nibbles (the low and high nibble of an even byte, then of the odd byte after it),
 // and masked out in place they are four vectors of int16 lanes. Lanes 0-7 hold the first group's
 // bytes, 8-15 the second's, so int32 lanes 0-3 sum the first group and 4-7 the second, which take
-// their two scales in one vector. Widening one group at a time with vpmovzxbw (two per group, on
-// the shuffle unit) bound the batch-1 loop on Zen 3: see kInt4PrefetchRows's note.
+// their two scales in one vector. One group a step, widened by two vpmovzxbw (the shuffle unit),
+// bound the batch-1 loop: on two Zen 3 cores this one took 0.70x its time, in cache and from memory,
+// and an int4 engine's batch-1 step 0.82x (docs/benchmarks.md, "twenty-fifth pass").
 constexpr bool kInt4Integer = true;
 constexpr int64_t kInt4GroupsPerStep = 2;
 using FVec = __m256;
