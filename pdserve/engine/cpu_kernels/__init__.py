@@ -96,7 +96,7 @@ def cpu_kernels():
     headers = [Path(__file__).with_name(name) for name in HEADERS]
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in (*sources, *headers)))
     flags = compile_flags()
-    digest.update(" ".join(flags).encode() + _cpu_flags())
+    digest.update(" ".join(flags).encode() + _cpuinfo_field("flags").encode())
     name = f"pdserve_cpu_kernels_{digest.hexdigest()[:12]}"
     build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
     logger.info("loading pdserve's CPU kernels (compiled once per machine, about a minute)")
@@ -135,10 +135,6 @@ def cpu_vendor() -> str:
 def cpu_flags() -> set[str]:
     """/proc/cpuinfo's feature flags (avx2, avx512f, ...)."""
     return set(_cpuinfo_field("flags").partition(":")[2].split())
-
-
-def _cpu_flags() -> bytes:
-    return _cpuinfo_field("flags").encode()
 
 
 def _cpuinfo_field(name: str) -> str:

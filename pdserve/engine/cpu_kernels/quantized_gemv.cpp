@@ -557,15 +557,14 @@ constexpr int64_t step_input(int64_t p) {
   const int64_t byte = 2 * (p % 16) + p / 32;
   return byte / 16 * 32 + (p / 16) % 2 * 16 + byte % 16;
 }
-inline __m256i load_lanes(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline Nibbles load_nibbles(const int16_t* wide) {
-  return {load_lanes(wide), load_lanes(wide + 16), load_lanes(wide + 32), load_lanes(wide + 48)};
+  return {load(wide), load(wide + 16), load(wide + 32), load(wide + 48)};  // load: the int8 loops' int16 load
 }
 inline FVec nibble_products(const int16_t* x, const Nibbles& w) {
-  const __m256i even = _mm256_add_epi32(_mm256_madd_epi16(load_lanes(x), w.even_low),
-                                        _mm256_madd_epi16(load_lanes(x + 16), w.even_high));
-  const __m256i odd = _mm256_add_epi32(_mm256_madd_epi16(load_lanes(x + 32), w.odd_low),
-                                       _mm256_madd_epi16(load_lanes(x + 48), w.odd_high));
+  const __m256i even =
+      _mm256_add_epi32(_mm256_madd_epi16(load(x), w.even_low), _mm256_madd_epi16(load(x + 16), w.even_high));
+  const __m256i odd =
+      _mm256_add_epi32(_mm256_madd_epi16(load(x + 32), w.odd_low), _mm256_madd_epi16(load(x + 48), w.odd_high));
   return _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd));
 }
 inline FVec fzero() { return _mm256_setzero_ps(); }
