@@ -82,9 +82,10 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return out;
 }
 
-// silu(gate) * up for rows laid out [gate | up], vectorized (vector_exp): with std::exp, a scalar
-// call per element, the default model's 30 layers took 0.2 ms of a 7 ms int8 step here. Rows are
-// shared out to the threads, each computed alone (prefill chunks call it too: cpu_decode.py).
+// silu(gate) * up for rows laid out [gate | up], vectorized (vector_exp; it needs the build's
+// -fno-trapping-math, cpu_kernels/__init__.py): with std::exp, a scalar call per element, the
+// default model's 30 layers took 0.2 ms of a 7 ms int8 step here. Rows are shared out to the
+// threads, each computed alone (prefill chunks call it too: cpu_decode.py).
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kFloat32 && gate_up.is_contiguous() &&
                   gate_up.size(1) % 2 == 0,
