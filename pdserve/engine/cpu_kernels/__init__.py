@@ -83,9 +83,10 @@ SOURCES = (
     "int4_panels.cpp",
     "paged_attention.cpp",
     "decode_stack.cpp",
+    "batch1_step.cpp",
     "bindings.cpp",
 )
-HEADERS = ("kernels.h",)  # compiled only through the sources, but a change to it must rebuild
+HEADERS = ("kernels.h", "decode_stack.h")  # compiled only through the sources, but a change to it must rebuild
 
 
 @functools.cache

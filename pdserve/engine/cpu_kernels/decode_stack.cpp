@@ -13,8 +13,11 @@
 // Float32 activations; each projection is float32 (at::linear), int8 or int4 (quantized_gemv.cpp);
 // the KV caches float32, float16 or bfloat16 (--kv-cache-dtype), written rounded as torch rounds.
 // The Python side (pdserve/engine/models/cpu_decode.py) builds the stack from a loaded model and
-// calls it only for steps in which every sequence decodes one token.
-#include "kernels.h"
+// calls it only for steps in which every sequence decodes one token. A step of one sequence whose
+// projections are all int8 or int4 runs the same arithmetic in one parallel region instead
+// (batch1_step.cpp).
+#include "decode_stack.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -25,40 +28,18 @@
 
 namespace pdserve {
 
-// One projection: "dense" {weight}, "int8" {q, scale} or "int4" {packed, scale, low}, and a bias.
-struct Linear {
-  enum class Kind { kDense, kInt8, kInt4 };
-
-  Linear(const std::string& name, std::vector<torch::Tensor> weights, std::optional<torch::Tensor> bias)
-      : kind(kind_of(name)), weights(std::move(weights)), bias(std::move(bias)) {
-    const size_t expected = kind == Kind::kDense ? 1 : kind == Kind::kInt8 ? 2 : 3;
-    TORCH_CHECK(this->weights.size() == expected, "a ", name, " projection takes ", expected, " tensors, got ",
-                this->weights.size());
-  }
-
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor y = kind == Kind::kDense  ? dense_linear(x, weights[0])
-                      : kind == Kind::kInt8 ? int8_linear(x, weights[0], weights[1])
-                                            : int4_linear(x, weights[0], weights[1], weights[2]);
-    if (bias) y.add_(*bias);
-    return y;
-  }
-
-  static Kind kind_of(const std::string& name) {
-    if (name == "dense") return Kind::kDense;
-    if (name == "int8") return Kind::kInt8;
-    TORCH_CHECK(name == "int4", "a projection is dense, int8 or int4, not ", name);
-    return Kind::kInt4;
-  }
-
-  Kind kind;
-  std::vector<torch::Tensor> weights;
-  std::optional<torch::Tensor> bias;
-};
-
 // transformers' LlamaRMSNorm in float32: w * (x * rsqrt(mean(x^2) + eps)), row by row; rows are
 // shared out to the threads (prefill chunks call it too: cpu_decode.py, use_kernel_elementwise), each
 // row computed alone, so the same bits at any thread count.
+void rms_norm_row(const float* row, const float* w, float* out, int64_t N, float eps) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t n = 0; n < N; ++n) squares += row[n] * row[n];
+  const float inverse = 1.f / std::sqrt(squares / N + eps);
+#pragma omp simd
+  for (int64_t n = 0; n < N; ++n) out[n] = w[n] * (row[n] * inverse);
+}
+
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [rows, hidden] float32");
   TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.numel() == x.size(1), "one float32 weight per column");
@@ -69,16 +50,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   float* os = out.data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* row = xs + m * N;
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t n = 0; n < N; ++n) squares += row[n] * row[n];
-      const float inverse = 1.f / std::sqrt(squares / N + epsilon);
-#pragma omp simd
-      for (int64_t n = 0; n < N; ++n) os[m * N + n] = w[n] * (row[n] * inverse);
-    }
+    for (int64_t m = begin; m < end; ++m) rms_norm_row(xs + m * N, w, os + m * N, N, epsilon);
   });
+
   return out;
 }
 
@@ -86,6 +60,13 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 // -fno-trapping-math, cpu_kernels/__init__.py): with std::exp, a scalar call per element, the
 // default model's 30 layers took 0.2 ms of a 7 ms int8 step here. Rows are shared out to the
 // threads, each computed alone (prefill chunks call it too: cpu_decode.py).
+void silu_and_mul_row(const float* gate_up, float* out, int64_t I) {
+  const float* g = gate_up;
+  const float* u = g + I;
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) out[i] = g[i] / (1.f + vector_exp(-g[i])) * u[i];
+}
+
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == torch::kFloat32 && gate_up.is_contiguous() &&
                   gate_up.size(1) % 2 == 0,
@@ -95,23 +76,11 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   const float* gu = gate_up.data_ptr<float>();
   float* os = out.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* g = gu + m * 2 * I;
-      const float* u = g + I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) os[m * I + i] = g[i] / (1.f + vector_exp(-g[i])) * u[i];
-    }
+    for (int64_t m = begin; m < end; ++m) silu_and_mul_row(gu + m * 2 * I, os + m * I, I);
   });
+
   return out;
 }
-
-namespace {
-
-struct Layer {
-  torch::Tensor input_norm, post_attention_norm;
-  Linear qkv, o, gate_up, down;
-  torch::Tensor k_cache, v_cache;  // [num_blocks, block_size, kv_heads, head_dim], float32
-};
 
 // Rotates the first `heads` heads of each row in place: x * cos + rotate_half(x) * sin, where
 // `signed_sin` already carries rotate_half's sign (models/llama.py, rotary_tables).
@@ -133,89 +102,58 @@ void rotate(float* rows, int64_t row_stride, const int64_t* positions, int64_t M
   }
 }
 
-}  // namespace
-
-class DecodeStack {
- public:
-  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, torch::Tensor embedding,
-              torch::Tensor cos, torch::Tensor signed_sin, torch::Tensor final_norm)
-      : H_(num_heads), KVH_(num_kv_heads), D_(head_dim), eps_(static_cast<float>(eps)),
-        embedding_(std::move(embedding)), cos_(std::move(cos)), sin_(std::move(signed_sin)),
-        final_norm_(std::move(final_norm)) {
-    for (const auto* t : {&embedding_, &cos_, &sin_, &final_norm_}) {
-      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->device().is_cpu(),
-                  "the decode stack runs on contiguous float32 CPU tensors");
-    }
-    TORCH_CHECK(cos_.size(1) == D_ && sin_.sizes() == cos_.sizes(), "rotary tables must be [positions, head_dim]");
+// input_ids, positions, slots [B]; block_tables [B, max_blocks]; context_lens [B] (all int64)
+// -> the final-normed hidden states [B, hidden]. Writes each layer's new K/V at `slots`.
+torch::Tensor DecodeStack::forward(const torch::Tensor& input_ids, const torch::Tensor& positions,
+                                  const torch::Tensor& slots, const torch::Tensor& block_tables,
+                                  const torch::Tensor& context_lens) const {
+  for (const auto* t : {&input_ids, &positions, &slots, &context_lens}) {
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->dim() == 1 && t->size(0) == input_ids.size(0) &&
+                    t->is_contiguous(),
+                "input_ids, positions, slots and context_lens must be contiguous int64 [B]");
   }
-
-  void add_layer(torch::Tensor input_norm, Linear qkv, Linear o, torch::Tensor post_attention_norm, Linear gate_up,
-                 Linear down, torch::Tensor k_cache, torch::Tensor v_cache) {
-    TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == KVH_ && k_cache.size(3) == D_ && k_cache.is_contiguous() &&
-                    v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
-                    v_cache.is_contiguous(),
-                "KV caches must be contiguous [blocks, block_size, kv_heads, head_dim], K and V of one dtype");
-    with_cache_type(k_cache, [](auto) {});  // float32, float16 or bfloat16
-    layers_.push_back(Layer{std::move(input_norm), std::move(post_attention_norm), std::move(qkv), std::move(o),
-                            std::move(gate_up), std::move(down), std::move(k_cache), std::move(v_cache)});
+  const int64_t B = input_ids.size(0), max_position = cos_.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < max_position, "position ", pos[b], " outside the rotary table");
   }
+  if (B == 1 && one_region_batch1 && batch1_supported_) {
+    auto x = forward_batch1(input_ids, positions, slots, block_tables, context_lens);
+    if (x.defined()) return x;
+  }
+  const int64_t q_size = H_ * D_, kv_size = KVH_ * D_;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D_));
+  auto x = embedding_.index_select(0, input_ids);
+  for (const Layer& layer : layers_) {
+    auto qkv = layer.qkv(rms_norm(x, layer.input_norm, eps_));
+    float* rows = qkv.data_ptr<float>();
+    const int64_t row_stride = qkv.size(1);
+    rotate(rows, row_stride, pos, B, H_ + KVH_, D_, cos_.data_ptr<float>(), sin_.data_ptr<float>());
+    write_kv(rows, row_stride, q_size, kv_size, slot, B, layer);
+    auto query = qkv.narrow(1, 0, q_size).view({B, H_, D_});
+    auto attended = paged_decode_attention(query, layer.k_cache, layer.v_cache, block_tables, context_lens, scale);
+    x.add_(layer.o(attended.view({B, q_size})));
+    x.add_(layer.down(silu_and_mul(layer.gate_up(rms_norm(x, layer.post_attention_norm, eps_)))));
+  }
+  return rms_norm(x, final_norm_, eps_);
+}
 
-  // input_ids, positions, slots [B]; block_tables [B, max_blocks]; context_lens [B] (all int64)
-  // -> the final-normed hidden states [B, hidden]. Writes each layer's new K/V at `slots`.
-  torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& slots,
-                        const torch::Tensor& block_tables, const torch::Tensor& context_lens) const {
-    for (const auto* t : {&input_ids, &positions, &slots, &context_lens}) {
-      TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->dim() == 1 && t->size(0) == input_ids.size(0) &&
-                      t->is_contiguous(),
-                  "input_ids, positions, slots and context_lens must be contiguous int64 [B]");
-    }
-    const int64_t B = input_ids.size(0), max_position = cos_.size(0);
-    const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t* slot = slots.data_ptr<int64_t>();
+void DecodeStack::write_kv(const float* rows, int64_t row_stride, int64_t q_size, int64_t kv_size,
+                           const int64_t* slot, int64_t B, const Layer& layer) const {
+  const int64_t num_slots = layer.k_cache.size(0) * layer.k_cache.size(1);
+  with_cache_type(layer.k_cache, [&](auto element) {
+    using T = decltype(element);
+    T* ks = cache_data<T>(layer.k_cache);
+    T* vs = cache_data<T>(layer.v_cache);
     for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(pos[b] >= 0 && pos[b] < max_position, "position ", pos[b], " outside the rotary table");
+      TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "KV slot ", slot[b], " outside the cache");
+      const float* k = rows + b * row_stride + q_size;
+      std::transform(k, k + kv_size, ks + slot[b] * kv_size, from_float<T>);
+      std::transform(k + kv_size, k + 2 * kv_size, vs + slot[b] * kv_size, from_float<T>);
     }
-    const int64_t q_size = H_ * D_, kv_size = KVH_ * D_;
-    const double scale = 1.0 / std::sqrt(static_cast<double>(D_));
-    auto x = embedding_.index_select(0, input_ids);
-    for (const Layer& layer : layers_) {
-      auto qkv = layer.qkv(rms_norm(x, layer.input_norm, eps_));
-      float* rows = qkv.data_ptr<float>();
-      const int64_t row_stride = qkv.size(1);
-      rotate(rows, row_stride, pos, B, H_ + KVH_, D_, cos_.data_ptr<float>(), sin_.data_ptr<float>());
-      write_kv(rows, row_stride, q_size, kv_size, slot, B, layer);
-      auto query = qkv.narrow(1, 0, q_size).view({B, H_, D_});
-      auto attended = paged_decode_attention(query, layer.k_cache, layer.v_cache, block_tables, context_lens, scale);
-      x.add_(layer.o(attended.view({B, q_size})));
-      x.add_(layer.down(silu_and_mul(layer.gate_up(rms_norm(x, layer.post_attention_norm, eps_)))));
-    }
-    return rms_norm(x, final_norm_, eps_);
-  }
-
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
- private:
-  void write_kv(const float* rows, int64_t row_stride, int64_t q_size, int64_t kv_size, const int64_t* slot, int64_t B,
-                const Layer& layer) const {
-    const int64_t num_slots = layer.k_cache.size(0) * layer.k_cache.size(1);
-    with_cache_type(layer.k_cache, [&](auto element) {
-      using T = decltype(element);
-      T* ks = cache_data<T>(layer.k_cache);
-      T* vs = cache_data<T>(layer.v_cache);
-      for (int64_t b = 0; b < B; ++b) {
-        TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "KV slot ", slot[b], " outside the cache");
-        const float* k = rows + b * row_stride + q_size;
-        std::transform(k, k + kv_size, ks + slot[b] * kv_size, from_float<T>);
-        std::transform(k + kv_size, k + 2 * kv_size, vs + slot[b] * kv_size, from_float<T>);
-      }
-    });
-  }
-
-  int64_t H_, KVH_, D_;
-  float eps_;
-  torch::Tensor embedding_, cos_, sin_, final_norm_;
-  std::vector<Layer> layers_;
-};
+  });
+}
 
 void bind_decode_stack(pybind11::module& m) {
   namespace py = pybind11;
@@ -229,6 +167,8 @@ void bind_decode_stack(pybind11::module& m) {
            py::arg("cos"), py::arg("signed_sin"), py::arg("final_norm"))
       .def("add_layer", &DecodeStack::add_layer)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
+      .def_readwrite("one_region_batch1", &DecodeStack::one_region_batch1)
+      .def_property_readonly("batch1_supported", &DecodeStack::batch1_supported)
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }
 

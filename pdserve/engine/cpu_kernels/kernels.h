@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace pdserve {
 
@@ -174,6 +175,26 @@ torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& weight);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& low);
+// The batch-1 integer loops, for a caller that shares a matrix's rows out to its own threads
+// (decode_stack.cpp's batch-1 step). x is rounded once (round_for_int8 / round_for_int4: false if
+// an entry is not finite, where the float loops must serve), then each thread multiplies its
+// rows [begin, end). int8_linear and int4_linear split rows between torch's threads the same way,
+// kBatch1Grain at the least.
+struct RoundedRows {
+  std::vector<int16_t> rounded;  // [M, K]
+  std::vector<int16_t> x;        // [M, K] in int4's step order (its dot-product loops only)
+  std::vector<float> scales;     // [M]
+  std::vector<float> sums;       // [M, K / 32] each int4 group's sum of `rounded`
+};
+constexpr int64_t kBatch1Grain = 64;
+bool int8_batch1_supported(int64_t K);
+bool round_for_int8(const float* x, int64_t K, RoundedRows& in);
+void int8_batch1_rows(const int16_t* xq, float x_scale, const int8_t* qs, const float* scales, float* ys, int64_t K,
+                      int64_t begin, int64_t end);
+bool int4_batch1_supported(int64_t K);
+bool round_for_int4(const float* x, int64_t K, RoundedRows& in);
+void int4_batch1_rows(const RoundedRows& in, const uint8_t* ps, const float* scales, const float* lows, float* ys,
+                      int64_t K, int64_t begin, int64_t end);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                               bool bfloat16);
 // bfloat16_prefill.cpp
@@ -190,6 +211,50 @@ bool int4_linear_panels(const int16_t* xq, const float* x_scales, const float* x
 torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                      const torch::Tensor& context_lens, double scale);
+// The checks paged_decode_attention makes of the caches' and the tables' shapes against [B, H, D].
+void check_attention_shapes(const torch::Tensor& k_cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& context_lens, int64_t B, int64_t H, int64_t D);
+
+// A piece [t0, t1) of one sequence's context: one task.
+struct AttentionChunk {
+  int64_t sequence, t0, t1;
+};
+
+// The tasks of a batch and the threads' shares of them. Lay every sequence's positions end to end
+// (S in all): share i of n takes positions [i * S / n, (i + 1) * S / n), cut at sequence ends and
+// every kChunkTokens, so that each thread reads the same number of KV rows. Cutting each sequence
+// into whole chunks of kChunkTokens instead left a batch of one sequence shorter than a chunk on
+// one thread while the other waited, and gave one thread 3 chunks against 2 at 300 tokens: at
+// batch 1 on a 2-core Zen 4 this split takes 0.80x the time at 40 tokens, 0.65x at 130, 0.83x at
+// 300, and the same at 1000 and at batches of 4-32 (docs/benchmarks.md, eighteenth pass).
+// Tasks are in (sequence, position) order: sequence b's are first_task_of_sequence[b] ..
+// first_task_of_sequence[b + 1] - 1.
+struct ChunkPlan {
+  std::vector<AttentionChunk> tasks;
+  std::vector<int64_t> first_task_of_share, first_task_of_sequence;
+};
+
+// A decode step's attention in two parts that threads share: attend() the chunk tasks of shares
+// [begin, end) of one layer (each leaves a partial softmax), then merge() rows [begin, end) of the
+// [B * H, D] output. The plan depends only on the context lengths, so one serves every layer of a
+// step (whose caches share their shapes); the tables and lengths must outlive it.
+class DecodeAttention {
+ public:
+  DecodeAttention(const int64_t* context_lens, const int64_t* block_tables, int64_t B, int64_t max_blocks, int64_t H,
+                  int64_t D, int64_t num_threads, double scale);
+  int64_t num_shares() const { return static_cast<int64_t>(plan_.first_task_of_share.size()) - 1; }
+  void attend(const float* query, const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t share_begin,
+              int64_t share_end);
+  void merge(float* out, int64_t begin, int64_t end) const;
+
+ private:
+  int64_t B_, H_, D_, max_blocks_;
+  const int64_t* context_;
+  const int64_t* table_;
+  float scale_;
+  ChunkPlan plan_;
+  std::vector<float> chunk_max_, chunk_sum_, chunk_acc_;  // [tasks, H], [tasks, H], [tasks, H, D]
+};
 // decode_stack.cpp: its norm and activation (prefill chunks call them too), and its Linear and
 // DecodeStack classes
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);

@@ -38,6 +38,7 @@ constexpr int64_t kChunkTokens = 64;
 // Fewer positions per thread than this run on one: a parallel region costs more than it saves
 // (a 12-token context: 7.0 us split, 6.9 whole; 20 tokens: 7.9 and 8.2, on a 2-core Zen 4).
 constexpr int64_t kMinSharePositions = 8;
+constexpr int64_t kMergeGrain = 8;  // merged rows (sequence, head) a thread takes at the least
 constexpr int64_t kMaxHeadDim = 256;  // a 16-bit cache row converts into a buffer of this size
 
 // Token rows ahead of the one being read: blocks lie anywhere, and a new block is a new stream
@@ -311,25 +312,6 @@ void attend_chunk_token_major(const float* q, const T* ks, const T* vs, const in
 }
 #endif
 
-// A piece [t0, t1) of one sequence's context: one task.
-struct Chunk {
-  int64_t sequence, t0, t1;
-};
-
-// The tasks of a batch and the threads' shares of them. Lay every sequence's positions end to end
-// (S in all): share i of n takes positions [i * S / n, (i + 1) * S / n), cut at sequence ends and
-// every kChunkTokens, so that each thread reads the same number of KV rows. Cutting each sequence
-// into whole chunks of kChunkTokens instead left a batch of one sequence shorter than a chunk on
-// one thread while the other waited, and gave one thread 3 chunks against 2 at 300 tokens: at
-// batch 1 on a 2-core Zen 4 this split takes 0.80x the time at 40 tokens, 0.65x at 130, 0.83x at
-// 300, and the same at 1000 and at batches of 4-32 (docs/benchmarks.md, eighteenth pass).
-// Tasks are in (sequence, position) order: sequence b's are first_task_of_sequence[b] ..
-// first_task_of_sequence[b + 1] - 1.
-struct ChunkPlan {
-  std::vector<Chunk> tasks;
-  std::vector<int64_t> first_task_of_share, first_task_of_sequence;
-};
-
 ChunkPlan plan_chunks(const int64_t* context, int64_t B, int64_t num_shares) {
   ChunkPlan plan;
   int64_t total = 0;
@@ -348,12 +330,83 @@ ChunkPlan plan_chunks(const int64_t* context, int64_t B, int64_t num_shares) {
     }
   }
   plan.first_task_of_share.push_back(static_cast<int64_t>(plan.tasks.size()));
-  for (const Chunk& chunk : plan.tasks) ++plan.first_task_of_sequence[chunk.sequence + 1];
+  for (const AttentionChunk& chunk : plan.tasks) ++plan.first_task_of_sequence[chunk.sequence + 1];
   for (int64_t i = 0; i < B; ++i) plan.first_task_of_sequence[i + 1] += plan.first_task_of_sequence[i];
   return plan;
 }
 
 }  // namespace
+
+DecodeAttention::DecodeAttention(const int64_t* context, const int64_t* table, int64_t B, int64_t max_blocks,
+                                 int64_t H, int64_t D, int64_t num_threads, double scale)
+    : B_(B), H_(H), D_(D), max_blocks_(max_blocks), context_(context), table_(table),
+      scale_(static_cast<float>(scale)), plan_(plan_chunks(context, B, num_threads)) {
+  const int64_t num_tasks = static_cast<int64_t>(plan_.tasks.size());
+  chunk_max_.resize(num_tasks * H);
+  chunk_sum_.resize(num_tasks * H);
+  chunk_acc_.resize(num_tasks * H * D);
+}
+
+void DecodeAttention::attend(const float* qs, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                             int64_t share_begin, int64_t share_end) {
+  const int64_t H = H_, D = D_, block_size = k_cache.size(1), KVH = k_cache.size(2);
+  const Shapes shapes{H, KVH, D, H / KVH, block_size, KVH * D, block_size * KVH * D, max_blocks_};
+  with_cache_type(k_cache, [&](auto element) {
+    using T = decltype(element);
+    const T* ks = cache_data<T>(k_cache);
+    const T* vs = cache_data<T>(v_cache);
+    std::vector<float> scores;
+    std::vector<const T*> rows;
+#ifdef PDSERVE_VECTORIZED_ATTENTION
+    std::vector<FloatVec::V> partial;
+#endif
+    for (int64_t task = plan_.first_task_of_share[share_begin]; task < plan_.first_task_of_share[share_end]; ++task) {
+      const AttentionChunk& chunk = plan_.tasks[task];
+      const int64_t b = chunk.sequence;
+      float *max = chunk_max_.data() + task * H, *sum = chunk_sum_.data() + task * H;
+      float* acc = chunk_acc_.data() + task * H * D;
+      const float* qb = qs + b * H * D;
+      const int64_t* blocks = table_ + b * max_blocks_;
+#ifdef PDSERVE_VECTORIZED_ATTENTION
+      if (D == 64 || D == 128) {
+        // 16-bit rows token by token; float32 rows head by head, which measured faster for them.
+        if constexpr (sizeof(T) == 2) {
+          const auto attend = D == 64 ? attend_chunk_token_major<64, T> : attend_chunk_token_major<128, T>;
+          attend(qb, ks, vs, blocks, chunk.t0, chunk.t1, shapes, scale_, scores, partial, max, sum, acc);
+        } else {
+          const auto attend = D == 64 ? attend_chunk_vectorized<64, T> : attend_chunk_vectorized<128, T>;
+          attend(qb, ks, vs, blocks, chunk.t0, chunk.t1, shapes, scale_, scores, rows, max, sum, acc);
+        }
+        continue;
+      }
+#endif
+      attend_chunk<T>(qb, ks, vs, blocks, chunk.t0, chunk.t1, shapes, scale_, scores, max, sum, acc);
+    }
+  });
+}
+
+// out = sum_i acc_i * exp(max_i - max) / sum_i sum_i * exp(max_i - max), over sequence b's chunks i.
+void DecodeAttention::merge(float* os, int64_t begin, int64_t end) const {
+  const int64_t H = H_, D = D_;
+  const std::vector<int64_t>& first_task = plan_.first_task_of_sequence;
+  for (int64_t bh = begin; bh < end; ++bh) {
+    const int64_t b = bh / H, h = bh % H;
+    float peak = -INFINITY;
+    for (int64_t task = first_task[b]; task < first_task[b + 1]; ++task) peak = std::max(peak, chunk_max_[task * H + h]);
+    float* o = os + bh * D;
+    std::fill(o, o + D, 0.f);
+    float total = 0.f;
+    for (int64_t task = first_task[b]; task < first_task[b + 1]; ++task) {
+      const float weight = std::exp(chunk_max_[task * H + h] - peak);
+      total += chunk_sum_[task * H + h] * weight;
+      const float* acc = chunk_acc_.data() + (task * H + h) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] += acc[d] * weight;
+    }
+    const float inverse = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inverse;
+  }
+}
 
 torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -370,84 +423,30 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const auto tables = block_tables.contiguous();
   const auto lens = context_lens.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2), max_blocks = tables.size(1);
+  check_attention_shapes(k_cache, tables, lens, B, H, D);
+  DecodeAttention attention(lens.data_ptr<int64_t>(), tables.data_ptr<int64_t>(), B, tables.size(1), H, D,
+                            at::get_num_threads(), scale);
+  const float* qs = q.data_ptr<float>();
+  at::parallel_for(0, attention.num_shares(), 1,
+                   [&](int64_t begin, int64_t end) { attention.attend(qs, k_cache, v_cache, begin, end); });
+  auto out = torch::empty_like(q);
+  float* os = out.data_ptr<float>();
+  at::parallel_for(0, B * H, kMergeGrain, [&](int64_t begin, int64_t end) { attention.merge(os, begin, end); });
+  return out;
+}
+
+void check_attention_shapes(const torch::Tensor& k_cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& context_lens, int64_t B, int64_t H, int64_t D) {
+  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2), max_blocks = block_tables.size(1);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head sizes do not fit");
   TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || D <= kMaxHeadDim, "a 16-bit cache's head size is at most ",
               kMaxHeadDim, ", not ", D);
-  TORCH_CHECK(lens.numel() == B && tables.size(0) == B, "one block table and context length per sequence");
-  const Shapes shapes{H, KVH, D, H / KVH, block_size, KVH * D, block_size * KVH * D, max_blocks};
-  const int64_t* table = tables.data_ptr<int64_t>();
-  const int64_t* context = lens.data_ptr<int64_t>();
-
+  TORCH_CHECK(context_lens.numel() == B && block_tables.dim() == 2 && block_tables.size(0) == B,
+              "one block table and context length per sequence");
+  const int64_t* context = context_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(context[b] >= 1 && context[b] <= max_blocks * block_size, "context length out of range");
   }
-  const ChunkPlan plan = plan_chunks(context, B, at::get_num_threads());
-  const int64_t num_tasks = static_cast<int64_t>(plan.tasks.size());
-  std::vector<float> chunk_max(num_tasks * H), chunk_sum(num_tasks * H), chunk_acc(num_tasks * H * D);
-  const float* qs = q.data_ptr<float>();
-  const float softmax_scale = static_cast<float>(scale);
-
-  with_cache_type(k_cache, [&](auto element) {
-    using T = decltype(element);
-    const T* ks = cache_data<T>(k_cache);
-    const T* vs = cache_data<T>(v_cache);
-    const int64_t num_shares = static_cast<int64_t>(plan.first_task_of_share.size()) - 1;
-    at::parallel_for(0, num_shares, 1, [&](int64_t share_begin, int64_t share_end) {
-      std::vector<float> scores;
-      std::vector<const T*> rows;
-#ifdef PDSERVE_VECTORIZED_ATTENTION
-      std::vector<FloatVec::V> partial;
-#endif
-      for (int64_t task = plan.first_task_of_share[share_begin]; task < plan.first_task_of_share[share_end]; ++task) {
-        const Chunk& chunk = plan.tasks[task];
-        const int64_t b = chunk.sequence;
-        float *max = chunk_max.data() + task * H, *sum = chunk_sum.data() + task * H;
-        float* acc = chunk_acc.data() + task * H * D;
-        const float* qb = qs + b * H * D;
-        const int64_t* blocks = table + b * max_blocks;
-#ifdef PDSERVE_VECTORIZED_ATTENTION
-        if (D == 64 || D == 128) {
-          // 16-bit rows token by token; float32 rows head by head, which measured faster for them.
-          if constexpr (sizeof(T) == 2) {
-            const auto attend = D == 64 ? attend_chunk_token_major<64, T> : attend_chunk_token_major<128, T>;
-            attend(qb, ks, vs, blocks, chunk.t0, chunk.t1, shapes, softmax_scale, scores, partial, max, sum, acc);
-          } else {
-            const auto attend = D == 64 ? attend_chunk_vectorized<64, T> : attend_chunk_vectorized<128, T>;
-            attend(qb, ks, vs, blocks, chunk.t0, chunk.t1, shapes, softmax_scale, scores, rows, max, sum, acc);
-          }
-          continue;
-        }
-#endif
-        attend_chunk<T>(qb, ks, vs, blocks, chunk.t0, chunk.t1, shapes, softmax_scale, scores, max, sum, acc);
-      }
-    });
-  });
-  const std::vector<int64_t>& first_task = plan.first_task_of_sequence;
-
-  // Merge: out = sum_i acc_i * exp(max_i - max) / sum_i sum_i * exp(max_i - max).
-  auto out = torch::empty_like(q);
-  float* os = out.data_ptr<float>();
-  at::parallel_for(0, B * H, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      float peak = -INFINITY;
-      for (int64_t task = first_task[b]; task < first_task[b + 1]; ++task) peak = std::max(peak, chunk_max[task * H + h]);
-      float* o = os + bh * D;
-      std::fill(o, o + D, 0.f);
-      float total = 0.f;
-      for (int64_t task = first_task[b]; task < first_task[b + 1]; ++task) {
-        const float weight = std::exp(chunk_max[task * H + h] - peak);
-        total += chunk_sum[task * H + h] * weight;
-        const float* acc = chunk_acc.data() + (task * H + h) * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] += acc[d] * weight;
-      }
-      const float inverse = 1.f / total;
-      for (int64_t d = 0; d < D; ++d) o[d] *= inverse;
-    }
-  });
-  return out;
 }
 
 }  // namespace pdserve

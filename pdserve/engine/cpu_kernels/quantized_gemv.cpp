@@ -332,9 +332,31 @@ static void int8_rows_x2(const int16_t* xq, const float* x_scales, const int8_t*
   }
 }
 
+// Batch 1: weight rows [begin, end) against one row of x rounded to int16 (xq, x_scale), one stream
+// of rows in address order.
+void int8_batch1_rows(const int16_t* xq, float x_scale, const int8_t* qs, const float* scales, float* ys, int64_t K,
+                      int64_t begin, int64_t end) {
+  const int8_t* range_end = qs + end * K;
+  if (int8_rows_in_registers(xq, qs, scales, x_scale, ys, K, begin, end, range_end)) return;
+  const bool prefetch = !hardware_prefetch_suffices();
+  for (int64_t n = begin; n < end; ++n) {  // other widths
+    const int8_t* row = qs + n * K;
+    prefetch_ahead(prefetch, row, K, range_end);
+    ys[n] = dot_int8_row(xq, row, K) * x_scale * scales[n];
+  }
+}
+
+bool int8_batch1_supported(int64_t K) { return kIntWidth != 0 && K % kIntWidth == 0; }
+
+bool round_for_int8(const float* x, int64_t K, RoundedRows& in) {
+  in.rounded.resize(K);
+  in.scales.resize(1);
+  return round_row_to_int16(x, K, in.rounded.data(), in.scales.data());
+}
+
 static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* scales, float* ys, int64_t M,
                                 int64_t N, int64_t K) {
-  if (kIntWidth == 0 || K % kIntWidth != 0) return false;
+  if (!int8_batch1_supported(K)) return false;
   std::vector<int16_t> xq;
   std::vector<float> x_scales;
   if (!round_rows_to_int16(xs, M, K, xq, x_scales)) return false;
@@ -342,20 +364,16 @@ static bool int8_linear_integer(const float* xs, const int8_t* qs, const float* 
       int8_linear_panels(xq.data(), x_scales.data(), qs, scales, ys, M, N, K)) {
     return true;
   }
-  at::parallel_for(0, N, M == 1 ? 64 : 16, [&](int64_t begin, int64_t end) {
+  if (M == 1) {
+    at::parallel_for(0, N, kBatch1Grain, [&](int64_t begin, int64_t end) {
+      int8_batch1_rows(xq.data(), x_scales[0], qs, scales, ys, K, begin, end);
+    });
+    return true;
+  }
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     std::vector<int16_t> wide(K);
     const int16_t* wide_row = wide.data();
     int64_t n = begin;
-    const int8_t* range_end = qs + end * K;
-    if (M == 1 && int8_rows_in_registers(xq.data(), qs, scales, x_scales[0], ys, K, begin, end, range_end)) {
-      n = end;
-    }
-    const bool prefetch = !hardware_prefetch_suffices();
-    for (; M == 1 && n < end; ++n) {  // batch 1, other widths: one stream of weight rows
-      const int8_t* row = qs + n * K;
-      prefetch_ahead(prefetch, row, K, range_end);
-      ys[n] = dot_int8_row(xq.data(), row, K) * x_scales[0] * scales[n];
-    }
     if (M >= 4) {  // a batch below the panels (AVX-512: any): pairs of weight rows, x blocks in L2
       const int64_t pairs_end = begin + (end - begin) / 2 * 2;
       std::vector<int16_t> wide_pair(2 * K);
@@ -618,14 +636,8 @@ constexpr int64_t kInt4Step = kInt4GroupsPerStep * kGroup;
 // centred) no longer cancel against the low terms (2e-4 of the result, not 6e-5). The dot-product
 // loops read x in step order (step_input: the order in which widen_nibbles lays out a step's
 // nibbles); the panels read it as it is.
-struct Int4Inputs {
-  std::vector<int16_t> rounded;  // [M, K]
-  std::vector<int16_t> x;        // [M, K] in step order (the dot-product loops only)
-  std::vector<float> scales;     // [M]
-  std::vector<float> sums;       // [M, G]
-};
 
-static bool round_int4_inputs(const float* xs, int64_t M, int64_t K, Int4Inputs& in) {
+static bool round_int4_inputs(const float* xs, int64_t M, int64_t K, RoundedRows& in) {
   if (!round_rows_to_int16(xs, M, K, in.rounded, in.scales)) return false;
   const int64_t G = K / kGroup;
   in.sums.resize(M * G);
@@ -648,7 +660,7 @@ constexpr std::array<int64_t, kInt4Step> kStepOrder = [] {
   return order;
 }();
 
-static void order_int4_inputs(int64_t M, int64_t K, Int4Inputs& in) {
+static void order_int4_inputs(int64_t M, int64_t K, RoundedRows& in) {
   in.x.resize(M * K);
   for (int64_t m = 0; m < M; ++m) {
     const int16_t* row = in.rounded.data() + m * K;
@@ -660,7 +672,7 @@ static void order_int4_inputs(int64_t M, int64_t K, Int4Inputs& in) {
 }
 
 // Four weight rows against the one row of x: four accumulator chains share each step of x.
-static void int4_rows4_integer(const Int4Inputs& in, const uint8_t* const* rows, const float* const* scales,
+static void int4_rows4_integer(const RoundedRows& in, const uint8_t* const* rows, const float* const* scales,
                                const float* const* lows, int64_t G, float* out) {
   FVec acc0 = fzero(), acc1 = fzero(), acc2 = fzero(), acc3 = fzero();
   for (int64_t g = 0; g < G; g += kInt4GroupsPerStep) {
@@ -687,36 +699,42 @@ static void int4_rows4_integer(const Int4Inputs& in, const uint8_t* const* rows,
 constexpr int64_t kInt4PrefetchRows = 2 * kPrefetchRows;
 
 // Batch 1: each weight row is widened in registers as it streams by.
-static void int4_linear_one_row(const Int4Inputs& in, const uint8_t* ps, const float* scales, const float* lows,
-                                float* ys, int64_t N, int64_t K) {
+void int4_batch1_rows(const RoundedRows& in, const uint8_t* ps, const float* scales, const float* lows, float* ys,
+                      int64_t K, int64_t begin, int64_t end) {
   const int64_t G = K / kGroup, row_bytes = K / 2;
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; n += 4) {
-      const int64_t count = std::min<int64_t>(4, end - n);
-      if (const int64_t ahead = n + kInt4PrefetchRows; ahead + 4 <= end) {
-        prefetch_rows(ps + ahead * row_bytes, 4 * row_bytes);
-        prefetch_rows(scales + ahead * G, 4 * G * sizeof(float));
-        prefetch_rows(lows + ahead * G, 4 * G * sizeof(float));
-      }
-      const uint8_t* rows[4];
-      const float *row_scales[4], *row_lows[4];
-      for (int i = 0; i < 4; ++i) {  // a tail of fewer than four repeats its last row
-        const int64_t r = n + std::min<int64_t>(i, count - 1);
-        rows[i] = ps + r * row_bytes;
-        row_scales[i] = scales + r * G;
-        row_lows[i] = lows + r * G;
-      }
-      float dots[4];
-      int4_rows4_integer(in, rows, row_scales, row_lows, G, dots);
-      for (int64_t i = 0; i < count; ++i) ys[n + i] = dots[i];
+  for (int64_t n = begin; n < end; n += 4) {
+    const int64_t count = std::min<int64_t>(4, end - n);
+    if (const int64_t ahead = n + kInt4PrefetchRows; ahead + 4 <= end) {
+      prefetch_rows(ps + ahead * row_bytes, 4 * row_bytes);
+      prefetch_rows(scales + ahead * G, 4 * G * sizeof(float));
+      prefetch_rows(lows + ahead * G, 4 * G * sizeof(float));
     }
-  });
+    const uint8_t* rows[4];
+    const float *row_scales[4], *row_lows[4];
+    for (int i = 0; i < 4; ++i) {  // a tail of fewer than four repeats its last row
+      const int64_t r = n + std::min<int64_t>(i, count - 1);
+      rows[i] = ps + r * row_bytes;
+      row_scales[i] = scales + r * G;
+      row_lows[i] = lows + r * G;
+    }
+    float dots[4];
+    int4_rows4_integer(in, rows, row_scales, row_lows, G, dots);
+    for (int64_t i = 0; i < count; ++i) ys[n + i] = dots[i];
+  }
+}
+
+bool int4_batch1_supported(int64_t K) { return kInt4Integer && K % kInt4Step == 0; }
+
+bool round_for_int4(const float* x, int64_t K, RoundedRows& in) {
+  if (!round_int4_inputs(x, 1, K, in)) return false;
+  order_int4_inputs(1, K, in);
+  return true;
 }
 
 // Four rows of x (from row m) against one weight row, widened once into `wide`: each step's
 // nibbles and scales are loaded once for all four. Named accumulators: in an array, gcc stored
 // all four to the stack every step.
-static void int4_wide_row4(const Int4Inputs& in, const int16_t* wide, const float* scales, const float* lows,
+static void int4_wide_row4(const RoundedRows& in, const int16_t* wide, const float* scales, const float* lows,
                            int64_t m, int64_t n, int64_t N, int64_t K, float* ys) {
   const int64_t G = K / kGroup;
   const int16_t *x0 = in.x.data() + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
@@ -737,7 +755,7 @@ static void int4_wide_row4(const Int4Inputs& in, const int16_t* wide, const floa
 }
 
 // One row of x against one widened weight row (a batch's last rows).
-static void int4_wide_row1(const Int4Inputs& in, const int16_t* wide, const float* scales, const float* lows,
+static void int4_wide_row1(const RoundedRows& in, const int16_t* wide, const float* scales, const float* lows,
                            int64_t m, int64_t n, int64_t N, int64_t K, float* ys) {
   const int64_t G = K / kGroup;
   const int16_t* x = in.x.data() + m * K;
@@ -749,7 +767,7 @@ static void int4_wide_row1(const Int4Inputs& in, const int16_t* wide, const floa
 }
 
 // A decode batch: each weight row's nibbles widen once into a buffer that every row of x reads.
-static void int4_linear_rows(const Int4Inputs& in, const uint8_t* ps, const float* scales, const float* lows,
+static void int4_linear_rows(const RoundedRows& in, const uint8_t* ps, const float* scales, const float* lows,
                              float* ys, int64_t M, int64_t N, int64_t K) {
   const int64_t G = K / kGroup, row_bytes = K / 2;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -771,14 +789,15 @@ static bool int4_linear_integer(const float* xs, const uint8_t* ps, const float*
                                 int64_t M, int64_t N, int64_t K) {
   const bool panels = M >= kInt4PanelMinRows;  // the panels take any group count, the dot-product loops whole steps
   if (!kInt4Integer || (!panels && (K / kGroup) % kInt4GroupsPerStep != 0)) return false;
-  Int4Inputs in;
+  RoundedRows in;
   if (!round_int4_inputs(xs, M, K, in)) return false;
   if (panels) {
     return int4_linear_panels(in.rounded.data(), in.scales.data(), in.sums.data(), ps, scales, lows, ys, M, N, K);
   }
   order_int4_inputs(M, K, in);
   if (M == 1) {
-    int4_linear_one_row(in, ps, scales, lows, ys, N, K);
+    at::parallel_for(0, N, kBatch1Grain,
+                     [&](int64_t begin, int64_t end) { int4_batch1_rows(in, ps, scales, lows, ys, K, begin, end); });
   } else {
     int4_linear_rows(in, ps, scales, lows, ys, M, N, K);
   }

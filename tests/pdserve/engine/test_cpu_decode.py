@@ -104,6 +104,56 @@ def test_the_stack_writes_and_reads_16_bit_caches_as_the_module_path_does(tmp_pa
             torch.testing.assert_close(from_stack.float(), from_modules.float(), rtol=0, atol=0.02)
 
 
+def batch1_step(engine: LLMEngine, context: int, token: int = 3):
+    """The stack's inputs for one sequence of `context` positions, its blocks scattered over the
+    pool, and its caches filled with random rows to attend to."""
+    torch.manual_seed(0)
+    for k_cache, v_cache in engine.model_runner.kv_caches:
+        k_cache.copy_(torch.randn(k_cache.shape))
+        v_cache.copy_(torch.randn(v_cache.shape))
+    block_size = engine.model_runner.kv_caches[0][0].shape[1]
+    table = torch.randperm(engine.model_runner.kv_caches[0][0].shape[0])[: -(-context // block_size)][None]
+    last = context - 1
+    slot = table[0, last // block_size] * block_size + last % block_size
+    return torch.tensor([token]), torch.tensor([last]), slot.reshape(1), table, torch.tensor([context])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("context", [5, 150])  # one share of the attention, and chunks on both threads
+def test_a_batch_1_step_in_one_parallel_region_gives_the_per_operation_bits(tmp_path, arch, quantization, context):
+    engine = tiny_engine(build_tiny_model(tmp_path, arch), quantization, dtype="float16", num_blocks=64)
+    stack = engine.model_runner.decode_stack._stack
+    assert stack.batch1_supported
+    inputs = batch1_step(engine, context)
+    results = {}
+    for one_region in (True, False):
+        stack.one_region_batch1 = one_region
+        hidden = stack.forward(*inputs)
+        results[one_region] = hidden, [cache.clone() for layer in engine.model_runner.kv_caches for cache in layer]
+    (hidden, caches), (expected_hidden, expected_caches) = results[True], results[False]
+    assert torch.equal(hidden, expected_hidden)
+    assert all(torch.equal(cache, expected) for cache, expected in zip(caches, expected_caches, strict=True))
+
+
+def test_a_batch_1_step_that_meets_a_nan_falls_back_to_the_float_loops(tmp_path):
+    engine = tiny_engine(build_tiny_model(tmp_path), "int8", num_blocks=64)
+    stack = engine.model_runner.decode_stack._stack
+    inputs = batch1_step(engine, 20)
+    engine.model_runner.model.embed_tokens.weight.data[inputs[0]] = float("nan")  # the stack reads this tensor
+    hidden = {}
+    for one_region in (True, False):
+        stack.one_region_batch1 = one_region
+        hidden[one_region] = stack.forward(*inputs)
+    assert hidden[True].isnan().all()
+    torch.testing.assert_close(hidden[True], hidden[False], rtol=0, atol=0, equal_nan=True)
+
+
+def test_only_integer_projections_take_the_one_region_batch_1_step(tmp_path):
+    engine = tiny_engine(build_tiny_model(tmp_path), "none")
+    assert not engine.model_runner.decode_stack._stack.batch1_supported
+
+
 def test_steps_with_a_prefill_chunk_keep_the_module_path(tmp_path):
     engine = tiny_engine(build_tiny_model(tmp_path), "int8")
     stack = count_stack_calls(engine)

@@ -1,0 +1,136 @@
+// A batch-1 decode step with integer projections in one parallel region.
+//
+// DecodeStack::forward runs a step as ~6 parallel regions a layer (each GEMV, attention and its
+// merge), with the norms, rotary, KV write, residual adds and activation between them on the
+// calling thread, each through a torch tensor. At batch 1 with int8 weights on two AMD EPYC Zen 3
+// cores, perf put the second thread idle 33% of a step: waiting for the next region while the
+// first ran that serial code (and torch's allocations and dispatch, 13% of the first thread's
+// samples), or for the first thread at a region's end. Here one region spans the step: the
+// threads split each matrix's rows as at::parallel_for splits them, and the serial parts run on
+// one thread between barriers, in preallocated buffers. The arithmetic is the other path's, op
+// for op (the same row functions, the same attention plan and merge), so the result is the same
+// bits (test_cpu_decode.py compares them).
+//
+//   per layer:  [one] h = norm(x), round h  |  [all] qkv rows  |  [one] rotate, write K/V
+//               [all] attention shares  |  [one] merge the shares, round the result
+//               [all] o rows, x += own rows  |  [one] h = norm(x), round h  |  [all] gate_up rows
+//               [one] act = silu(g) * u, round act  |  [all] down rows, x += own rows
+#include "decode_stack.h"
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <cmath>
+#include <vector>
+
+namespace pdserve {
+
+namespace {
+
+// Thread `tid`'s part [begin, end) of [0, n), as at::parallel_for(0, n, grain) gives it out with
+// `threads` threads (OpenMP backend).
+struct Share {
+  int64_t begin, end;
+};
+Share share_of(int64_t n, int64_t grain, int64_t tid, int64_t threads) {
+  if (n <= grain || threads == 1) return tid == 0 ? Share{0, n} : Share{0, 0};
+  const int64_t used = std::min(threads, (n + grain - 1) / grain);
+  const int64_t chunk = (n + used - 1) / used;
+  const int64_t begin = std::min(n, tid * chunk);
+  return {begin, std::min(n, begin + chunk)};
+}
+
+// The step's activations, allocated once per step.
+struct Buffers {
+  explicit Buffers(int64_t hidden, int64_t qkv, int64_t q_size, int64_t gate_up)
+      : h(hidden), qkv(qkv), attended(q_size), projected(hidden), gate_up(gate_up), act(gate_up / 2) {}
+  std::vector<float> h, qkv, attended, projected, gate_up, act;
+  RoundedRows rounded;  // the input of the next projection
+};
+
+}  // namespace
+
+torch::Tensor DecodeStack::forward_batch1(const torch::Tensor& input_ids, const torch::Tensor& positions,
+                                          const torch::Tensor& slots, const torch::Tensor& block_tables,
+                                          const torch::Tensor& context_lens) const {
+  const auto tables = block_tables.contiguous();
+  const int64_t pos = positions.data_ptr<int64_t>()[0], slot = slots.data_ptr<int64_t>()[0];
+  // Every check before the region: an exception may not leave it.
+  for (const Layer& layer : layers_) {
+    check_attention_shapes(layer.k_cache, tables, context_lens, 1, H_, D_);
+    TORCH_CHECK(slot >= 0 && slot < layer.k_cache.size(0) * layer.k_cache.size(1), "KV slot ", slot,
+                " outside the cache");
+  }
+  auto x = embedding_.index_select(0, input_ids);
+  if (layers_.empty()) return rms_norm(x, final_norm_, eps_);
+  const int64_t hidden = x.size(1), q_size = H_ * D_, kv_size = KVH_ * D_, threads = at::get_num_threads();
+  float* xs = x.data_ptr<float>();
+  Buffers buffers(hidden, layers_[0].qkv.rows(), q_size, layers_[0].gate_up.rows());
+  DecodeAttention attention(context_lens.data_ptr<int64_t>(), tables.data_ptr<int64_t>(), 1, tables.size(1), H_, D_,
+                            threads, 1.0 / std::sqrt(static_cast<double>(D_)));
+  bool finite = true;  // written by one thread between barriers, read by all after them
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
+    Buffers& b = buffers;
+    // Rows [begin, end) of `linear` applied to b.rounded into y; with `residual`, then x += y there.
+    auto project = [&](const Linear& linear, float* y, bool residual) {
+      const Share share = share_of(linear.rows(), kBatch1Grain, tid, team);
+      linear.batch1_rows(b.rounded, y, share.begin, share.end);
+      if (residual) {
+        for (int64_t n = share.begin; n < share.end; ++n) xs[n] += y[n];
+      }
+    };
+    for (const Layer& layer : layers_) {
+#pragma omp single
+      {
+        rms_norm_row(xs, layer.input_norm.data_ptr<float>(), b.h.data(), hidden, eps_);
+        finite = layer.qkv.round_input(b.h.data(), hidden, b.rounded);
+      }
+      if (!finite) break;
+      project(layer.qkv, b.qkv.data(), false);
+#pragma omp barrier
+#pragma omp single
+      {
+        const int64_t row_stride = static_cast<int64_t>(b.qkv.size());
+        rotate(b.qkv.data(), row_stride, &pos, 1, H_ + KVH_, D_, cos_.data_ptr<float>(), sin_.data_ptr<float>());
+        write_kv(b.qkv.data(), row_stride, q_size, kv_size, &slot, 1, layer);
+      }
+      const Share shares = share_of(attention.num_shares(), 1, tid, team);
+      attention.attend(b.qkv.data(), layer.k_cache, layer.v_cache, shares.begin, shares.end);
+#pragma omp barrier
+#pragma omp single
+      {
+        attention.merge(b.attended.data(), 0, H_);
+        finite = layer.o.round_input(b.attended.data(), q_size, b.rounded);
+      }
+      if (!finite) break;
+      project(layer.o, b.projected.data(), true);
+#pragma omp barrier
+#pragma omp single
+      {
+        rms_norm_row(xs, layer.post_attention_norm.data_ptr<float>(), b.h.data(), hidden, eps_);
+        finite = layer.gate_up.round_input(b.h.data(), hidden, b.rounded);
+      }
+      if (!finite) break;
+      project(layer.gate_up, b.gate_up.data(), false);
+#pragma omp barrier
+#pragma omp single
+      {
+        const int64_t intermediate = static_cast<int64_t>(b.act.size());
+        silu_and_mul_row(b.gate_up.data(), b.act.data(), intermediate);
+        finite = layer.down.round_input(b.act.data(), intermediate, b.rounded);
+      }
+      if (!finite) break;
+      project(layer.down, b.projected.data(), true);
+#pragma omp barrier
+    }
+  }
+  // An entry that is not finite: the float loops of the per-operation path propagate it as torch
+  // would. That path recomputes the step from the embedding and rewrites every layer's K/V.
+  if (!finite) return {};
+  return rms_norm(x, final_norm_, eps_);
+}
+
+}  // namespace pdserve
