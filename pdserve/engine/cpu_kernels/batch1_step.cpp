@@ -61,8 +61,11 @@ torch::Tensor DecodeStack::forward_batch1(const torch::Tensor& input_ids, const 
     TORCH_CHECK(slot >= 0 && slot < layer.k_cache.size(0) * layer.k_cache.size(1), "KV slot ", slot,
                 " outside the cache");
   }
+  if (layers_.empty()) return {};
+  for (const Layer& layer : layers_) {  // the buffers take the first layer's sizes
+    if (layer.qkv.rows() != layers_[0].qkv.rows() || layer.gate_up.rows() != layers_[0].gate_up.rows()) return {};
+  }
   auto x = embedding_.index_select(0, input_ids);
-  if (layers_.empty()) return rms_norm(x, final_norm_, eps_);
   const int64_t hidden = x.size(1), q_size = H_ * D_, kv_size = KVH_ * D_, threads = at::get_num_threads();
   float* xs = x.data_ptr<float>();
   Buffers buffers(hidden, layers_[0].qkv.rows(), q_size, layers_[0].gate_up.rows());

@@ -125,7 +125,8 @@ class DecodeStack {
 
  private:
   // The checked batch-1 step in one parallel region, or an undefined tensor where it cannot run
-  // (a projection without batch-1 integer loops) or met an entry that is not finite.
+  // (no layers, a projection without batch-1 integer loops, layers of different sizes) or met an
+  // entry that is not finite.
   torch::Tensor forward_batch1(const torch::Tensor& input_ids, const torch::Tensor& positions,
                                const torch::Tensor& slots, const torch::Tensor& block_tables,
                                const torch::Tensor& context_lens) const;
