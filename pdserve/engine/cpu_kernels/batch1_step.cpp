@@ -85,14 +85,20 @@ torch::Tensor DecodeStack::forward_batch1(const torch::Tensor& input_ids, const 
         for (int64_t n = share.begin; n < share.end; ++n) xs[n] += y[n];
       }
     };
-    for (const Layer& layer : layers_) {
+    // [one] h = norm(x), rounded for `linear`  |  [all] its rows into y. False (on every thread)
+    // where h has an entry that is not finite.
+    auto norm_then_project = [&](const torch::Tensor& norm, const Linear& linear, float* y) {
 #pragma omp single
       {
-        rms_norm_row(xs, layer.input_norm.data_ptr<float>(), b.h.data(), hidden, eps_);
-        finite = layer.qkv.round_input(b.h.data(), hidden, b.rounded);
+        rms_norm_row(xs, norm.data_ptr<float>(), b.h.data(), hidden, eps_);
+        finite = linear.round_input(b.h.data(), hidden, b.rounded);
       }
-      if (!finite) break;
-      project(layer.qkv, b.qkv.data(), false);
+      if (!finite) return false;
+      project(linear, y, false);
+      return true;
+    };
+    for (const Layer& layer : layers_) {
+      if (!norm_then_project(layer.input_norm, layer.qkv, b.qkv.data())) break;
 #pragma omp barrier
 #pragma omp single
       {
@@ -111,13 +117,7 @@ torch::Tensor DecodeStack::forward_batch1(const torch::Tensor& input_ids, const 
       if (!finite) break;
       project(layer.o, b.projected.data(), true);
 #pragma omp barrier
-#pragma omp single
-      {
-        rms_norm_row(xs, layer.post_attention_norm.data_ptr<float>(), b.h.data(), hidden, eps_);
-        finite = layer.gate_up.round_input(b.h.data(), hidden, b.rounded);
-      }
-      if (!finite) break;
-      project(layer.gate_up, b.gate_up.data(), false);
+      if (!norm_then_project(layer.post_attention_norm, layer.gate_up, b.gate_up.data())) break;
 #pragma omp barrier
 #pragma omp single
       {
