@@ -237,7 +237,7 @@ struct ChunkPlan {
 // A decode step's attention in two parts that threads share: attend() the chunk tasks of shares
 // [begin, end) of one layer (each leaves a partial softmax), then merge() rows [begin, end) of the
 // [B * H, D] output. The plan depends only on the context lengths, so one serves every layer of a
-// step (whose caches share their shapes); the tables and lengths must outlive it.
+// step (whose caches share their shapes); the block tables must outlive it.
 class DecodeAttention {
  public:
   DecodeAttention(const int64_t* context_lens, const int64_t* block_tables, int64_t B, int64_t max_blocks, int64_t H,
@@ -248,8 +248,7 @@ class DecodeAttention {
   void merge(float* out, int64_t begin, int64_t end) const;
 
  private:
-  int64_t B_, H_, D_, max_blocks_;
-  const int64_t* context_;
+  int64_t H_, D_, max_blocks_;
   const int64_t* table_;
   float scale_;
   ChunkPlan plan_;

@@ -339,7 +339,7 @@ ChunkPlan plan_chunks(const int64_t* context, int64_t B, int64_t num_shares) {
 
 DecodeAttention::DecodeAttention(const int64_t* context, const int64_t* table, int64_t B, int64_t max_blocks,
                                  int64_t H, int64_t D, int64_t num_threads, double scale)
-    : B_(B), H_(H), D_(D), max_blocks_(max_blocks), context_(context), table_(table),
+    : H_(H), D_(D), max_blocks_(max_blocks), table_(table),
       scale_(static_cast<float>(scale)), plan_(plan_chunks(context, B, num_threads)) {
   const int64_t num_tasks = static_cast<int64_t>(plan_.tasks.size());
   chunk_max_.resize(num_tasks * H);
