@@ -9,6 +9,10 @@ For each `--quantization` mode against float32, on the same weights:
     first diverge  free-running greedy: per prompt, the index of the first token where the mode's
                    own generation leaves float32's (none: identical for all `--tokens`)
     perplexity     on a fixed English text, and its ratio to float32's
+    batch-1        the agreement and the perplexity ratio again, with the mode's logits computed
+                   one position a step, as a single stream's decode computes them (the prefill
+                   runs many rows of x at once, and the quantized kernels round one row their
+                   own way: int4 on AVX2 to int8 per group of 32)
     step ms        the offline decode step at batch 1, greedy as every load of `pdserve bench
                    compare` (median over `--tokens` steps); a sampled token (temperature 1)
                    adds its softmax and draw over the vocabulary, 0.2-0.6 ms per step on two
@@ -82,25 +86,53 @@ def sequence_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     """Logits after every position of one sequence ([len, vocab], float32), computed by the
     engine's model in one prefill over a scratch KV cache of its own (the engine's is untouched)."""
     runner = engine.model_runner
-    attn = runner.model.layers[0].self_attn
-    block_size = runner.block_size
-    num_blocks = -(-len(token_ids) // block_size)
-    spec = KvCacheSpec(
-        len(runner.model.layers), num_blocks, block_size, attn.num_kv_heads, attn.head_dim, runner.kv_dtype, "cpu"
-    )
-    kv_caches = kv_caches_over(LocalKvCacheStorage().allocate(spec))
+    kv_caches, block_table = _scratch_kv_caches(engine, len(token_ids))
     layout = BatchLayout(
         query_lens=[len(token_ids)],
         context_lens=[len(token_ids)],
-        block_tables=[list(range(num_blocks))],
+        block_tables=[block_table],
         num_decodes=0,
         slot_mapping=torch.arange(len(token_ids)),
-        block_size=block_size,
+        block_size=runner.block_size,
     )
     with torch.inference_mode():
-        metadata = attn.backend.prepare(layout)
+        metadata = runner.model.layers[0].self_attn.backend.prepare(layout)
         hidden = runner.model(torch.tensor(token_ids), torch.arange(len(token_ids)), kv_caches, metadata)
         return runner.model.compute_logits(hidden)
+
+
+def batch1_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
+    """The logits of sequence_logits, computed as a decode at batch 1 computes them: one position a
+    step, each attending to the cache the steps before it wrote. The quantized kernels round a
+    single row of activations their own way (int4 on AVX2: to int8 per group of 32), so a prefill's
+    figures do not tell what a single stream's tokens cost."""
+    runner = engine.model_runner
+    kv_caches, block_table = _scratch_kv_caches(engine, len(token_ids))
+    logits = []
+    with torch.inference_mode():
+        for position, token in enumerate(token_ids):
+            layout = BatchLayout(
+                query_lens=[1],
+                context_lens=[position + 1],
+                block_tables=[block_table],
+                num_decodes=1,
+                slot_mapping=torch.tensor([position]),
+                block_size=runner.block_size,
+            )
+            metadata = runner.model.layers[0].self_attn.backend.prepare(layout)
+            hidden = runner.model(torch.tensor([token]), torch.tensor([position]), kv_caches, metadata)
+            logits.append(runner.model.compute_logits(hidden))
+    return torch.cat(logits)
+
+
+def _scratch_kv_caches(engine: LLMEngine, num_tokens: int) -> tuple[list, list[int]]:
+    """A KV cache of the engine's shape and dtype for one sequence of `num_tokens`, and its block table."""
+    runner = engine.model_runner
+    attn = runner.model.layers[0].self_attn
+    num_blocks = -(-num_tokens // runner.block_size)
+    layers = len(runner.model.layers)
+    spec = KvCacheSpec(layers, num_blocks, runner.block_size, attn.num_kv_heads, attn.head_dim, runner.kv_dtype, "cpu")
+    return kv_caches_over(LocalKvCacheStorage().allocate(spec)), list(range(num_blocks))
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
@@ -108,13 +140,17 @@ def greedy(engine: LLMEngine, prompts: list[list[int]], num_tokens: int) -> list
     return [out.token_ids for out in engine.generate(prompts, params)]
 
 
-def teacher_forced_agreement(reference: LLMEngine, engine: LLMEngine, prompts, continuations) -> float:
+def teacher_forced_agreement(
+    reference: LLMEngine, engine: LLMEngine, prompts, continuations, logits_of=sequence_logits
+) -> float:
+    """The share of continuation positions where `engine`'s argmax (its logits by `logits_of`) is
+    the float32 reference's (by its prefill)."""
     agree = total = 0
     for prompt, continuation in zip(prompts, continuations):
         sequence = prompt + continuation
         region = slice(len(prompt) - 1, len(sequence) - 1)  # the positions that predict the continuation
         expected = sequence_logits(reference, sequence)[region].argmax(-1)
-        predicted = sequence_logits(engine, sequence)[region].argmax(-1)
+        predicted = logits_of(engine, sequence)[region].argmax(-1)
         agree += int((expected == predicted).sum())
         total += len(continuation)
     return agree / total
@@ -124,9 +160,9 @@ def first_divergence(reference_tokens: list[int], tokens: list[int]) -> int | No
     return next((i for i, (a, b) in enumerate(zip(reference_tokens, tokens)) if a != b), None)
 
 
-def perplexity(engine: LLMEngine, text: str) -> float:
+def perplexity(engine: LLMEngine, text: str, logits_of=sequence_logits) -> float:
     ids = engine.tokenizer(text)["input_ids"]
-    logits = sequence_logits(engine, ids)[:-1]
+    logits = logits_of(engine, ids)[:-1]
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
     return math.exp(float(nll))
 
@@ -193,9 +229,12 @@ def measure(
         step_ms = decode_step_ms(engine, prompts[0], num_tokens)
         bandwidth = (bandwidth_before + read_bandwidth_gbps()) / 2
         weight_bytes = weight_bytes_per_step(engine)
+        batch1_ppl = perplexity(engine, PERPLEXITY_TEXT, batch1_logits)
         results[mode] = {
             "kv_cache": engine.config.kv_cache_dtype,
             "agreement": teacher_forced_agreement(reference, engine, prompts, reference_tokens),
+            "batch1_agreement": teacher_forced_agreement(reference, engine, prompts, reference_tokens, batch1_logits),
+            "batch1_perplexity_ratio": batch1_ppl / reference_ppl,
             "identical_sequences": sum(a == b for a, b in zip(reference_tokens, tokens)),
             "first_divergence": [first_divergence(a, b) for a, b in zip(reference_tokens, tokens)],
             "perplexity": ppl,
@@ -221,9 +260,9 @@ def format_table(report: dict) -> str:
     lines = [
         f"{report['num_prompts']} prompts x {report['tokens']} greedy tokens; {report['threads']} threads; "
         f"--attention-backend {report['attention_backend']}; --kv-cache-dtype {report['kv_cache_dtype']}",
-        "| mode | KV cache | agreement | identical sequences | first divergence | perplexity (ratio) | step ms "
-        "| read GB/s | floor ms | step / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | KV cache | agreement | identical sequences | first divergence | perplexity (ratio) "
+        "| batch-1 agreement | batch-1 perplexity ratio | step ms | read GB/s | floor ms | step / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, r in report["modes"].items():
         diverged = [d for d in r["first_divergence"] if d is not None]
@@ -231,7 +270,8 @@ def format_table(report: dict) -> str:
         lines.append(
             f"| {mode} | {r['kv_cache']} | {r['agreement']:.1%} "
             f"| {r['identical_sequences']}/{report['num_prompts']} | {first} "
-            f"| {r['perplexity']:.3f} ({r['perplexity_ratio']:.4f}) | {r['step_ms']:.1f} "
+            f"| {r['perplexity']:.3f} ({r['perplexity_ratio']:.4f}) "
+            f"| {r['batch1_agreement']:.1%} | {r['batch1_perplexity_ratio']:.4f} | {r['step_ms']:.1f} "
             f"| {r['read_bandwidth_gbps']:.1f} | {r['floor_ms']:.1f} | {r['step_ms'] / r['floor_ms']:.2f} |"
         )
     return "\n".join(lines)

@@ -81,6 +81,7 @@ SOURCES = (
     "int8_panels.cpp",
     "bfloat16_prefill.cpp",
     "int4_panels.cpp",
+    "int4_byte_inputs.cpp",
     "paged_attention.cpp",
     "decode_stack.cpp",
     "batch1_step.cpp",

@@ -18,6 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "set_hardware_prefetch", [](bool on) { pdserve::g_hardware_prefetch = on; },
       "batch-1 int8 weight streams: left to the hardware prefetchers (True), or prefetched ahead");
+  m.attr("int4_batch1_input_bits") = pdserve::kInt4ByteInputs ? 8 : 16;  // x's rounding at batch 1 (tests)
   m.def("hardware_prefetch", &pdserve::hardware_prefetch_suffices, "what set_hardware_prefetch set");
   pdserve::bind_decode_stack(m);
 }

@@ -184,7 +184,10 @@ struct RoundedRows {
   std::vector<int16_t> rounded;  // [M, K]
   std::vector<int16_t> x;        // [M, K] in int4's step order (its dot-product loops only)
   std::vector<float> scales;     // [M]
-  std::vector<float> sums;       // [M, K / 32] each int4 group's sum of `rounded`
+  std::vector<float> sums;       // [M, K / 32] each int4 group's sum of `rounded` (int4_byte_inputs.cpp: of x as
+                                 // its bytes and scales give it)
+  std::vector<int8_t> bytes;     // [K] int4_byte_inputs.cpp: x rounded to int8 per group, in its step order
+  std::vector<float> group_scales;  // [K / 32 * 4] int4_byte_inputs.cpp: each group's scale, once per int32 lane
 };
 constexpr int64_t kBatch1Grain = 64;
 bool int8_batch1_supported(int64_t K);
@@ -197,6 +200,17 @@ void int4_batch1_rows(const RoundedRows& in, const uint8_t* ps, const float* sca
                       int64_t K, int64_t begin, int64_t end);
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                               bool bfloat16);
+// int4_byte_inputs.cpp: batch 1 where AVX2 lacks AVX512-VNNI, with x rounded to int8 per group of 32
+// (round_for_int4 and int4_batch1_rows call these there)
+constexpr bool kInt4ByteInputs =
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+    true;
+#else
+    false;
+#endif
+bool round_int4_bytes(const float* x, int64_t K, RoundedRows& in);
+void int4_byte_rows(const RoundedRows& in, const uint8_t* ps, const float* scales, const float* lows, float* ys,
+                    int64_t K, int64_t begin, int64_t end);
 // bfloat16_prefill.cpp
 torch::Tensor int8_bfloat16_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
 // int8_panels.cpp: rows of x already rounded to int16 (one scale each) against int8 weights;

@@ -701,6 +701,7 @@ constexpr int64_t kInt4PrefetchRows = 2 * kPrefetchRows;
 // Batch 1: each weight row is widened in registers as it streams by.
 void int4_batch1_rows(const RoundedRows& in, const uint8_t* ps, const float* scales, const float* lows, float* ys,
                       int64_t K, int64_t begin, int64_t end) {
+  if (kInt4ByteInputs) return int4_byte_rows(in, ps, scales, lows, ys, K, begin, end);
   const int64_t G = K / kGroup, row_bytes = K / 2;
   for (int64_t n = begin; n < end; n += 4) {
     const int64_t count = std::min<int64_t>(4, end - n);
@@ -726,6 +727,7 @@ void int4_batch1_rows(const RoundedRows& in, const uint8_t* ps, const float* sca
 bool int4_batch1_supported(int64_t K) { return kInt4Integer && K % kInt4Step == 0; }
 
 bool round_for_int4(const float* x, int64_t K, RoundedRows& in) {
+  if (kInt4ByteInputs) return round_int4_bytes(x, K, in);
   if (!round_int4_inputs(x, 1, K, in)) return false;
   order_int4_inputs(1, K, in);
   return true;
@@ -790,17 +792,18 @@ static bool int4_linear_integer(const float* xs, const uint8_t* ps, const float*
   const bool panels = M >= kInt4PanelMinRows;  // the panels take any group count, the dot-product loops whole steps
   if (!kInt4Integer || (!panels && (K / kGroup) % kInt4GroupsPerStep != 0)) return false;
   RoundedRows in;
+  if (M == 1) {
+    if (!round_for_int4(xs, K, in)) return false;
+    at::parallel_for(0, N, kBatch1Grain,
+                     [&](int64_t begin, int64_t end) { int4_batch1_rows(in, ps, scales, lows, ys, K, begin, end); });
+    return true;
+  }
   if (!round_int4_inputs(xs, M, K, in)) return false;
   if (panels) {
     return int4_linear_panels(in.rounded.data(), in.scales.data(), in.sums.data(), ps, scales, lows, ys, M, N, K);
   }
   order_int4_inputs(M, K, in);
-  if (M == 1) {
-    at::parallel_for(0, N, kBatch1Grain,
-                     [&](int64_t begin, int64_t end) { int4_batch1_rows(in, ps, scales, lows, ys, K, begin, end); });
-  } else {
-    int4_linear_rows(in, ps, scales, lows, ys, M, N, K);
-  }
+  int4_linear_rows(in, ps, scales, lows, ys, M, N, K);
   return true;
 }
 

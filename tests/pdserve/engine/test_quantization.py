@@ -107,6 +107,8 @@ def test_both_paths_compute_with_the_dequantized_weights(linear, num_rows):
         exact = torch.nn.functional.linear(x, quantized.dequantized(), linear.bias)
         if num_rows > MAX_GEMV_ROWS and fast_bfloat16_matmul():  # activations rounded to bfloat16
             assert (quantized(x) - exact).norm() / exact.norm() < 0.01
+        elif isinstance(quantized, Int4Linear) and num_rows == 1 and batch1_rounds_x_to_bytes(128):
+            assert (quantized(x) - exact).norm() / exact.norm() < 1e-2  # int8 per group of x
         elif isinstance(quantized, Int4Linear) and num_rows <= MAX_GEMV_ROWS:
             # int16 activations, against nibbles in 0..15 (not centred): a few outputs move by 1e-4
             assert (quantized(x) - exact).norm() / exact.norm() < 1e-4
@@ -207,17 +209,57 @@ def test_int8_rows_with_a_non_finite_entry_give_non_finite_outputs_and_leave_the
     torch.testing.assert_close(torch.cat([y[:6], y[7:]]), exact, rtol=1e-4, atol=1e-4)
 
 
+def batch1_rounds_x_to_bytes(in_features: int) -> bool:
+    """Whether one row of x against int4 weights of this width is rounded to int8 per group
+    (int4_byte_inputs.cpp, on AVX2 without AVX512-VNNI; an even group count), not to int16."""
+    return cpu_kernels().int4_batch1_input_bits == 8 and in_features % 64 == 0
+
+
+def rounded_to_bytes_per_group(x: torch.Tensor) -> torch.Tensor:
+    """x as int4_byte_inputs.cpp rounds it: each group of 32 to int8 steps of its largest entry / 127."""
+    groups = x.view(*x.shape[:-1], -1, 32)
+    peak = groups.abs().amax(-1, keepdim=True)
+    factor = torch.where(peak > 0, 127 / peak, torch.zeros_like(peak))
+    return (torch.round(groups * factor) * (peak / 127)).view(x.shape)
+
+
 @pytest.mark.parametrize("num_rows", [1, 5, 9, 16, 19, 37])  # batch 1; the dot-product loops; the panels (16 up)
 @pytest.mark.parametrize(("out_features", "in_features"), [(97, 128), (8, 96), (5, 1536)])  # 96: an odd group count
 def test_int4_rows_multiply_in_integers_close_to_their_dequantized_weights(num_rows, out_features, in_features):
     """Decode batches round x to int16 and multiply the nibbles in integers; the low terms take the
     rounded x's group sums, so the error is that of the rounding alone (as for int8), with tails
-    of fewer than four weight rows."""
+    of fewer than four weight rows. Batch 1 on AVX2 without VNNI rounds x to int8 per group
+    instead, and computes the dequantized weights' product with that x."""
     torch.manual_seed(4)
     quantized = Int4Linear(torch.randn(out_features, in_features), None)
     x = torch.randn(num_rows, in_features) + 0.5  # not centred: the nibbles' products do not cancel
     exact = torch.nn.functional.linear(x, quantized.dequantized())
-    assert (quantized(x) - exact).norm() / exact.norm() < 1e-4  # int16 activations: up to 3e-5 of the largest
+    if num_rows == 1 and batch1_rounds_x_to_bytes(in_features):
+        with_rounded_x = torch.nn.functional.linear(rounded_to_bytes_per_group(x), quantized.dequantized())
+        assert (quantized(x) - with_rounded_x).norm() / with_rounded_x.norm() < 1e-6
+        assert (quantized(x) - exact).norm() / exact.norm() < 1e-2  # int8 per group: ~2e-3 of each group's largest
+    else:
+        assert (quantized(x) - exact).norm() / exact.norm() < 1e-4  # int16 activations: up to 3e-5 of the largest
+
+
+@pytest.mark.parametrize("out_features", [1, 4, 7, 130])  # tails of fewer than four weight rows
+def test_one_row_of_int4_products_with_x_in_bytes_is_the_dequantized_product_with_x_so_rounded(out_features):
+    """int4_byte_inputs.cpp: each group of x rounded to int8 with its own scale (an outlier costs
+    only its own group precision: here 0.5-2% of y's norm, where int16 per row, which the outlier
+    coarsens for all, loses 0.03-0.08%), a group of
+    zeros, and the low terms."""
+    if not batch1_rounds_x_to_bytes(576):
+        pytest.skip("this CPU multiplies one row of x in int16 (AVX512-VNNI, or no AVX2)")
+    torch.manual_seed(6)
+    quantized = Int4Linear(torch.randn(out_features, 576), None)
+    x = torch.randn(1, 576) + 0.3
+    x[0, 40] = 90.0  # an activation outlier, as the default model's hidden states have
+    x[0, 64:96] = 0.0
+    y = quantized(x)
+    weight = quantized.dequantized().double()
+    with_rounded_x = torch.nn.functional.linear(rounded_to_bytes_per_group(x).double(), weight)
+    # Up to float32's rounding of sums whose terms reach ~300 (the outlier's products).
+    torch.testing.assert_close(y.double(), with_rounded_x, rtol=1e-5, atol=1e-4)
 
 
 def test_one_row_int4_products_are_exact_at_the_extremes():

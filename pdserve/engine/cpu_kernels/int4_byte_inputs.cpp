@@ -1,0 +1,162 @@
+// Batch-1 int4 products on AVX2 CPUs without AVX512-VNNI, with x rounded to int8 per group of 32
+// (a scale per group), as llama.cpp multiplies Q4_1 weights with Q8_1 activations: `vpmaddubsw`
+// multiplies the nibbles as unsigned bytes with x's signed bytes and adds them in pairs, so a step of
+// two groups (32 weight bytes) takes 2 multiply-adds and 3 bit operations to unpack, where x in
+// int16 (quantized_gemv.cpp) took 4 multiply-adds and 7 widening operations. That loop bound the
+// int4 batch-1 step by its compute on a Zen 3 (docs/benchmarks.md, twenty-sixth pass); on two of
+// its cores this one ran a 4.7 MB int4 matrix in L3 1.45x as fast and a 100 MB one from memory
+// 1.1-1.2x (twenty-eighth pass). The price is precision: x keeps 8 bits of each group's largest
+// entry, not 15 bits of the row's (test_quantization.py measures what that costs).
+//
+// A group's sum is exact in integers: a pair of products is at most 2 * 15 * 127 = 3810, four pairs
+// 15240, well inside vpmaddubsw's saturating int16 lanes.
+#include "kernels.h"
+
+namespace pdserve {
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+// The bytes of x one step covers: two groups, whose low nibbles (inputs 0..15 of each) meet x's
+// first 32 bytes and whose high nibbles (inputs 16..31) its next 32.
+constexpr int64_t kStep = 2 * kGroup;
+
+// The position in a step of input k of its two groups (k in 0..63): low halves of both groups, then
+// high halves.
+constexpr int64_t step_position(int64_t k) {
+  const int64_t group = k / kGroup, half = (k % kGroup) / 16;
+  return half * 32 + group * 16 + k % 16;
+}
+
+}  // namespace
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+
+// Rounds one group of x to int8 at `out` (step order), returning its scale; nearest even, as
+// nearbyint and torch.round round, so that a test can round x the same way in torch.
+static float round_group(const float* x, int8_t* out, int64_t first_position) {
+  float peak = 0.f;
+  for (int64_t j = 0; j < kGroup; ++j) peak = std::max(peak, std::fabs(x[j]));
+  const float factor = peak > 0.f ? 127.f / peak : 0.f;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    out[step_position(first_position + j)] = static_cast<int8_t>(std::nearbyint(x[j] * factor));
+  }
+  return peak / 127.f;
+}
+
+bool round_int4_bytes(const float* x, int64_t K, RoundedRows& in) {
+  float poison = 0.f;  // NaN iff some entry is inf or NaN
+#pragma omp simd reduction(+ : poison)
+  for (int64_t k = 0; k < K; ++k) poison += x[k] * 0.f;
+  if (poison != 0.f) return false;
+  const int64_t G = K / kGroup;
+  in.bytes.resize(K);
+  in.group_scales.resize(4 * G);
+  in.sums.resize(G);
+  for (int64_t g = 0; g < G; ++g) {
+    int8_t* step = in.bytes.data() + g / 2 * kStep;
+    const float scale = round_group(x + g * kGroup, step, g % 2 * kGroup);
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kGroup; ++j) sum += step[step_position(g % 2 * kGroup + j)];
+    // Each step's scales as its int32 lanes take them: lanes 0-3 sum its first group, 4-7 its second.
+    for (int64_t lane = 0; lane < 4; ++lane) in.group_scales[g / 2 * 8 + g % 2 * 4 + lane] = scale;
+    in.sums[g] = scale * static_cast<float>(sum);  // the low terms take the rounded x, as the products
+  }
+  return true;
+}
+
+// The two weight scales of a step in lanes 0-3 and 4-7.
+inline __m256 weight_scales(const float* scales) {
+  const __m128 pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scales)));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+// A step's 64 products of one weight row, summed per group in int32 lanes (0-3, 4-7), as float.
+inline __m256 step_products(__m256i x_low, __m256i x_high, const uint8_t* bytes) {
+  const __m256i nibbles = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  const __m256i mask = _mm256_set1_epi8(15);
+  const __m256i low = _mm256_and_si256(nibbles, mask);
+  const __m256i high = _mm256_and_si256(_mm256_srli_epi16(nibbles, 4), mask);
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, x_low), _mm256_maddubs_epi16(high, x_high));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+inline float lanes_sum(__m256 lanes) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
+}
+
+// acc's lane sum plus lows[g] * sums[g] for g < G.
+inline float with_low_terms(__m256 acc, const float* lows, const float* sums, int64_t G) {
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(lows + g), _mm256_loadu_ps(sums + g), acc);
+  float sum = lanes_sum(acc);
+  for (; g < G; ++g) sum += lows[g] * sums[g];
+  return sum;
+}
+
+// Four weight rows against x: the step's x bytes and scales stay in registers for all four. Named
+// accumulators, as in quantized_gemv.cpp: gcc kept an array of them on the stack.
+static void byte_rows4(const RoundedRows& in, const uint8_t* const* rows, const float* const* scales,
+                       const float* const* lows, int64_t G, float* out) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  for (int64_t g = 0; g < G; g += 2) {
+    const int8_t* x = in.bytes.data() + g * kGroup;
+    __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    __m256i x_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+    in_register(x_low);
+    in_register(x_high);
+    const __m256 x_scales = _mm256_loadu_ps(in.group_scales.data() + g * 4);
+    const int64_t offset = g * (kGroup / 2);
+    const auto add_row = [&](__m256 acc, int i) {
+      const __m256 products = _mm256_mul_ps(step_products(x_low, x_high, rows[i] + offset), x_scales);
+      return _mm256_fmadd_ps(products, weight_scales(scales[i] + g), acc);
+    };
+    acc0 = add_row(acc0, 0);
+    acc1 = add_row(acc1, 1);
+    acc2 = add_row(acc2, 2);
+    acc3 = add_row(acc3, 3);
+  }
+  const float* sums = in.sums.data();
+  out[0] = with_low_terms(acc0, lows[0], sums, G);
+  out[1] = with_low_terms(acc1, lows[1], sums, G);
+  out[2] = with_low_terms(acc2, lows[2], sums, G);
+  out[3] = with_low_terms(acc3, lows[3], sums, G);
+}
+
+void int4_byte_rows(const RoundedRows& in, const uint8_t* ps, const float* scales, const float* lows, float* ys,
+                    int64_t K, int64_t begin, int64_t end) {
+  const int64_t G = K / kGroup, row_bytes = K / 2;
+  // Ahead as far as the int16 loop asks: 16 rows, and their scales and lows (streams of their own).
+  constexpr int64_t kAhead = 16;
+  for (int64_t n = begin; n < end; n += 4) {
+    const int64_t count = std::min<int64_t>(4, end - n);
+    if (const int64_t ahead = n + kAhead; ahead + 4 <= end) {
+      prefetch_rows(ps + ahead * row_bytes, 4 * row_bytes);
+      prefetch_rows(scales + ahead * G, 4 * G * sizeof(float));
+      prefetch_rows(lows + ahead * G, 4 * G * sizeof(float));
+    }
+    const uint8_t* rows[4];
+    const float *row_scales[4], *row_lows[4];
+    for (int i = 0; i < 4; ++i) {  // a tail of fewer than four repeats its last row
+      const int64_t r = n + std::min<int64_t>(i, count - 1);
+      rows[i] = ps + r * row_bytes;
+      row_scales[i] = scales + r * G;
+      row_lows[i] = lows + r * G;
+    }
+    float dots[4];
+    byte_rows4(in, rows, row_scales, row_lows, G, dots);
+    for (int64_t i = 0; i < count; ++i) ys[n + i] = dots[i];
+  }
+}
+
+#else  // elsewhere quantized_gemv.cpp's int16 loops serve batch 1 (kInt4ByteInputs is false)
+
+bool round_int4_bytes(const float*, int64_t, RoundedRows&) { return false; }
+void int4_byte_rows(const RoundedRows&, const uint8_t*, const float*, const float*, float*, int64_t, int64_t,
+                    int64_t) {}
+
+#endif
+
+}  // namespace pdserve
