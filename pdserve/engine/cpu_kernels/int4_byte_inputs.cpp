@@ -8,8 +8,9 @@
 // 1.1-1.2x (twenty-eighth pass). The price is precision: x keeps 8 bits of each group's largest
 // entry, not 15 bits of the row's (test_quantization.py measures what that costs).
 //
-// A group's sum is exact in integers: a pair of products is at most 2 * 15 * 127 = 3810, four pairs
-// 15240, well inside vpmaddubsw's saturating int16 lanes.
+// A group's sum is exact in integers: an int16 lane of vpmaddubsw sums two products, at most
+// 2 * 15 * 127 = 3810 in size, and the low and high nibbles' lanes added make 7620, well inside the
+// lanes' saturating range; vpmaddwd then adds lanes in pairs into int32.
 #include "kernels.h"
 
 namespace pdserve {
