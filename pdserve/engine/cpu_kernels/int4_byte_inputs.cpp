@@ -99,8 +99,8 @@ inline float with_low_terms(__m256 acc, const float* lows, const float* sums, in
 
 // Four weight rows against x: the step's x bytes and scales stay in registers for all four. Named
 // accumulators, as in quantized_gemv.cpp: gcc kept an array of them on the stack.
-static void byte_rows4(const RoundedRows& in, const uint8_t* const* rows, const float* const* scales,
-                       const float* const* lows, int64_t G, float* out) {
+void int4_byte_rows4(const RoundedRows& in, const uint8_t* const* rows, const float* const* scales,
+                     const float* const* lows, int64_t G, float* out) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
   for (int64_t g = 0; g < G; g += 2) {
     const int8_t* x = in.bytes.data() + g * kGroup;
@@ -126,37 +126,11 @@ static void byte_rows4(const RoundedRows& in, const uint8_t* const* rows, const 
   out[3] = with_low_terms(acc3, lows[3], sums, G);
 }
 
-void int4_byte_rows(const RoundedRows& in, const uint8_t* ps, const float* scales, const float* lows, float* ys,
-                    int64_t K, int64_t begin, int64_t end) {
-  const int64_t G = K / kGroup, row_bytes = K / 2;
-  // Ahead as far as the int16 loop asks: 16 rows, and their scales and lows (streams of their own).
-  constexpr int64_t kAhead = 16;
-  for (int64_t n = begin; n < end; n += 4) {
-    const int64_t count = std::min<int64_t>(4, end - n);
-    if (const int64_t ahead = n + kAhead; ahead + 4 <= end) {
-      prefetch_rows(ps + ahead * row_bytes, 4 * row_bytes);
-      prefetch_rows(scales + ahead * G, 4 * G * sizeof(float));
-      prefetch_rows(lows + ahead * G, 4 * G * sizeof(float));
-    }
-    const uint8_t* rows[4];
-    const float *row_scales[4], *row_lows[4];
-    for (int i = 0; i < 4; ++i) {  // a tail of fewer than four repeats its last row
-      const int64_t r = n + std::min<int64_t>(i, count - 1);
-      rows[i] = ps + r * row_bytes;
-      row_scales[i] = scales + r * G;
-      row_lows[i] = lows + r * G;
-    }
-    float dots[4];
-    byte_rows4(in, rows, row_scales, row_lows, G, dots);
-    for (int64_t i = 0; i < count; ++i) ys[n + i] = dots[i];
-  }
-}
-
 #else  // elsewhere quantized_gemv.cpp's int16 loops serve batch 1 (kInt4ByteInputs is false)
 
 bool round_int4_bytes(const float*, int64_t, RoundedRows&) { return false; }
-void int4_byte_rows(const RoundedRows&, const uint8_t*, const float*, const float*, float*, int64_t, int64_t,
-                    int64_t) {}
+void int4_byte_rows4(const RoundedRows&, const uint8_t* const*, const float* const*, const float* const*, int64_t,
+                     float*) {}
 
 #endif
 

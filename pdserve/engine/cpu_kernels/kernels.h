@@ -201,7 +201,7 @@ void int4_batch1_rows(const RoundedRows& in, const uint8_t* ps, const float* sca
 torch::Tensor int4_dequantize(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& low,
                               bool bfloat16);
 // int4_byte_inputs.cpp: batch 1 where AVX2 lacks AVX512-VNNI, with x rounded to int8 per group of 32
-// (round_for_int4 and int4_batch1_rows call these there)
+// (round_for_int4 and int4_batch1_rows call these there, in the int16 loops' place)
 constexpr bool kInt4ByteInputs =
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
     true;
@@ -209,8 +209,9 @@ constexpr bool kInt4ByteInputs =
     false;
 #endif
 bool round_int4_bytes(const float* x, int64_t K, RoundedRows& in);
-void int4_byte_rows(const RoundedRows& in, const uint8_t* ps, const float* scales, const float* lows, float* ys,
-                    int64_t K, int64_t begin, int64_t end);
+// Four weight rows (each G groups) against the one row of x that round_int4_bytes rounded.
+void int4_byte_rows4(const RoundedRows& in, const uint8_t* const* rows, const float* const* scales,
+                     const float* const* lows, int64_t G, float* out);
 // bfloat16_prefill.cpp
 torch::Tensor int8_bfloat16_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
 // int8_panels.cpp: rows of x already rounded to int16 (one scale each) against int8 weights;

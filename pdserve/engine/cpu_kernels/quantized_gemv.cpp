@@ -701,7 +701,6 @@ constexpr int64_t kInt4PrefetchRows = 2 * kPrefetchRows;
 // Batch 1: each weight row is widened in registers as it streams by.
 void int4_batch1_rows(const RoundedRows& in, const uint8_t* ps, const float* scales, const float* lows, float* ys,
                       int64_t K, int64_t begin, int64_t end) {
-  if (kInt4ByteInputs) return int4_byte_rows(in, ps, scales, lows, ys, K, begin, end);
   const int64_t G = K / kGroup, row_bytes = K / 2;
   for (int64_t n = begin; n < end; n += 4) {
     const int64_t count = std::min<int64_t>(4, end - n);
@@ -719,7 +718,11 @@ void int4_batch1_rows(const RoundedRows& in, const uint8_t* ps, const float* sca
       row_lows[i] = lows + r * G;
     }
     float dots[4];
-    int4_rows4_integer(in, rows, row_scales, row_lows, G, dots);
+    if (kInt4ByteInputs) {
+      int4_byte_rows4(in, rows, row_scales, row_lows, G, dots);
+    } else {
+      int4_rows4_integer(in, rows, row_scales, row_lows, G, dots);
+    }
     for (int64_t i = 0; i < count; ++i) ys[n + i] = dots[i];
   }
 }
