@@ -13,36 +13,46 @@
 // lanes' saturating range; vpmaddwd then adds lanes in pairs into int32.
 #include "kernels.h"
 
+#include <limits>
+
 namespace pdserve {
 
 namespace {
 
 constexpr int64_t kGroup = 32;
 // The bytes of x one step covers: two groups, whose low nibbles (inputs 0..15 of each) meet x's
-// first 32 bytes and whose high nibbles (inputs 16..31) its next 32.
+// first 32 bytes and whose high nibbles (inputs 16..31) its next 32. So a step holds the first
+// group's inputs 0-15, the second's 0-15, the first's 16-31, then the second's 16-31.
 constexpr int64_t kStep = 2 * kGroup;
-
-// The position in a step of input k of its two groups (k in 0..63): low halves of both groups, then
-// high halves.
-constexpr int64_t step_position(int64_t k) {
-  const int64_t group = k / kGroup, half = (k % kGroup) / 16;
-  return half * 32 + group * 16 + k % 16;
-}
 
 }  // namespace
 
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 
-// Rounds one group of x to int8 at `out` (step order), returning its scale; nearest even, as
-// nearbyint and torch.round round, so that a test can round x the same way in torch.
-static float round_group(const float* x, int8_t* out, int64_t first_position) {
-  float peak = 0.f;
-  for (int64_t j = 0; j < kGroup; ++j) peak = std::max(peak, std::fabs(x[j]));
-  const float factor = peak > 0.f ? 127.f / peak : 0.f;
-  for (int64_t j = 0; j < kGroup; ++j) {
-    out[step_position(first_position + j)] = static_cast<int8_t>(std::nearbyint(x[j] * factor));
-  }
-  return peak / 127.f;
+// One group of x (32 floats) rounded to int8 at factor, to nearest even as _mm256_cvtps_epi32
+// rounds under the default MXCSR (as torch.round does, so a test can round x the same way): its
+// bytes in x's order, and their sum. Vectorized: the scalar loop with nearbyint took ~5 us of one
+// thread per int4 projection (576 inputs) while the other waited; on the Zen 3 a batch-1 step
+// took 0.93-0.95x the time with this (docs/benchmarks.md, twenty-ninth pass).
+inline __m256i round_group(const float* x, __m256 factor, int32_t& sum) {
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), factor));
+  const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i half = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+  half = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
+  sum = _mm_cvtsi128_si32(_mm_add_epi32(half, _mm_shuffle_epi32(half, 1)));
+  // The packs interleave the 128-bit lanes: dwords of x 0-3, 8-11, 16-19, 24-27, 4-7, ... back in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline float peak_of(const float* x) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 peak = _mm256_and_ps(_mm256_loadu_ps(x), magnitude);
+  for (int i = 1; i < 4; ++i) peak = _mm256_max_ps(peak, _mm256_and_ps(_mm256_loadu_ps(x + 8 * i), magnitude));
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
 }
 
 bool round_int4_bytes(const float* x, int64_t K, RoundedRows& in) {
@@ -55,12 +65,18 @@ bool round_int4_bytes(const float* x, int64_t K, RoundedRows& in) {
   in.group_scales.resize(4 * G);
   in.sums.resize(G);
   for (int64_t g = 0; g < G; ++g) {
-    int8_t* step = in.bytes.data() + g / 2 * kStep;
-    const float scale = round_group(x + g * kGroup, step, g % 2 * kGroup);
-    int32_t sum = 0;
-    for (int64_t j = 0; j < kGroup; ++j) sum += step[step_position(g % 2 * kGroup + j)];
+    const float peak = peak_of(x + g * kGroup), scale = peak / 127.f;
+    // Zero for a group of zeros, and where 127 / peak would overflow (every entry under 1e-36).
+    const float factor = peak > 127.f / std::numeric_limits<float>::max() ? 127.f / peak : 0.f;
+    int32_t sum;
+    const __m256i bytes = round_group(x + g * kGroup, _mm256_set1_ps(factor), sum);
+    // In the step's order (kStep): this group's inputs 0-15 after the step's first 16 * (g % 2)
+    // bytes, its inputs 16-31 32 bytes further.
+    int8_t* step = in.bytes.data() + g / 2 * kStep + g % 2 * 16;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(step), _mm256_castsi256_si128(bytes));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(step + 32), _mm256_extracti128_si256(bytes, 1));
     // Each step's scales as its int32 lanes take them: lanes 0-3 sum its first group, 4-7 its second.
-    for (int64_t lane = 0; lane < 4; ++lane) in.group_scales[g / 2 * 8 + g % 2 * 4 + lane] = scale;
+    _mm_storeu_ps(in.group_scales.data() + g * 4, _mm_set1_ps(scale));
     in.sums[g] = scale * static_cast<float>(sum);  // the low terms take the rounded x, as the products
   }
   return true;

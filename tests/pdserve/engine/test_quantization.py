@@ -219,7 +219,8 @@ def rounded_to_bytes_per_group(x: torch.Tensor) -> torch.Tensor:
     """x as int4_byte_inputs.cpp rounds it: each group of 32 to int8 steps of its largest entry / 127."""
     groups = x.view(*x.shape[:-1], -1, 32)
     peak = groups.abs().amax(-1, keepdim=True)
-    factor = torch.where(peak > 0, 127 / peak, torch.zeros_like(peak))
+    # 127 / peak must be finite: a group whose entries are all under ~1e-36 rounds to zeros
+    factor = torch.where(peak > 127 / torch.finfo(torch.float32).max, 127 / peak, torch.zeros_like(peak))
     return (torch.round(groups * factor) * (peak / 127)).view(x.shape)
 
 
@@ -247,7 +248,7 @@ def test_one_row_of_int4_products_with_x_in_bytes_is_the_dequantized_product_wit
     """int4_byte_inputs.cpp: each group of x rounded to int8 with its own scale (an outlier costs
     only its own group precision: here 0.5-2% of y's norm, where int16 per row, which the outlier
     coarsens for all, loses 0.03-0.08%), a group of
-    zeros, and the low terms."""
+    zeros, a group too small for 127 / its largest entry to be finite, and the low terms."""
     if not batch1_rounds_x_to_bytes(576):
         pytest.skip("this CPU multiplies one row of x in int16 (AVX512-VNNI, or no AVX2)")
     torch.manual_seed(6)
@@ -255,6 +256,7 @@ def test_one_row_of_int4_products_with_x_in_bytes_is_the_dequantized_product_wit
     x = torch.randn(1, 576) + 0.3
     x[0, 40] = 90.0  # an activation outlier, as the default model's hidden states have
     x[0, 64:96] = 0.0
+    x[0, 96:128] = 1e-38
     y = quantized(x)
     weight = quantized.dequantized().double()
     with_rounded_x = torch.nn.functional.linear(rounded_to_bytes_per_group(x).double(), weight)
