@@ -6,20 +6,27 @@
 // cores, perf put the second thread idle 33% of a step: waiting for the next region while the
 // first ran that serial code (and torch's allocations and dispatch, 13% of the first thread's
 // samples), or for the first thread at a region's end. Here one region spans the step: the
-// threads split each matrix's rows as at::parallel_for splits them, and the serial parts run on
-// one thread between barriers, in preallocated buffers. The arithmetic is the other path's, op
+// threads split each matrix's rows as at::parallel_for splits them, and the serial parts run
+// between barriers, in buffers allocated once a step. The arithmetic is the other path's, op
 // for op (the same row functions, the same attention plan and merge), so the result is the same
 // bits (test_cpu_decode.py compares them).
 //
-//   per layer:  [one] h = norm(x), round h  |  [all] qkv rows  |  [one] rotate, write K/V
-//               [all] attention shares  |  [one] merge the shares, round the result
-//               [all] o rows, x += own rows  |  [one] h = norm(x), round h  |  [all] gate_up rows
-//               [one] act = silu(g) * u, round act  |  [all] down rows, x += own rows
+//   per layer:  [each] h = norm(x), round h  |  [all] qkv rows  |  [one] rotate, write K/V
+//               [all] attention shares  |  [each] merge the shares, round the result
+//               [all] o rows, x += own rows  |  [each] h = norm(x), round h  |  [all] gate_up rows
+//               [each] act = silu(g) * u, round act  |  [all] down rows, x += own rows
+//
+// [one]: one thread while the others wait at a barrier. [each]: every thread computes the same
+// values into buffers of its own, so six barriers a layer, not nine, and no thread waits through
+// the roundings and norms: on the Zen 3 a batch-1 step took ~0.99x the time (int4; int8
+// 0.97-0.99x), alternating in one engine (docs/benchmarks.md, twenty-ninth pass).
+
 #include "decode_stack.h"
 
 #include <ATen/Parallel.h>
 #include <omp.h>
 
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -40,11 +47,17 @@ Share share_of(int64_t n, int64_t grain, int64_t tid, int64_t threads) {
   return {begin, std::min(n, begin + chunk)};
 }
 
-// The step's activations, allocated once per step.
+// The step's activations that the threads share, allocated once per step: each projection's
+// output, whose rows the threads write in shares.
 struct Buffers {
-  explicit Buffers(int64_t hidden, int64_t qkv, int64_t q_size, int64_t gate_up)
-      : h(hidden), qkv(qkv), attended(q_size), projected(hidden), gate_up(gate_up), act(gate_up / 2) {}
-  std::vector<float> h, qkv, attended, projected, gate_up, act;
+  explicit Buffers(int64_t hidden, int64_t qkv, int64_t gate_up) : qkv(qkv), projected(hidden), gate_up(gate_up) {}
+  std::vector<float> qkv, projected, gate_up;
+};
+
+// What each thread computes for itself between the projections: the same values on every thread.
+struct OwnBuffers {
+  OwnBuffers(int64_t hidden, int64_t q_size, int64_t intermediate) : h(hidden), attended(q_size), act(intermediate) {}
+  std::vector<float> h, attended, act;
   RoundedRows rounded;  // the input of the next projection
 };
 
@@ -68,34 +81,38 @@ torch::Tensor DecodeStack::forward_batch1(const torch::Tensor& input_ids, const 
   auto x = embedding_.index_select(0, input_ids);
   const int64_t hidden = x.size(1), q_size = H_ * D_, kv_size = KVH_ * D_, threads = at::get_num_threads();
   float* xs = x.data_ptr<float>();
-  Buffers buffers(hidden, layers_[0].qkv.rows(), q_size, layers_[0].gate_up.rows());
+  Buffers buffers(hidden, layers_[0].qkv.rows(), layers_[0].gate_up.rows());
   DecodeAttention attention(context_lens.data_ptr<int64_t>(), tables.data_ptr<int64_t>(), 1, tables.size(1), H_, D_,
                             threads, 1.0 / std::sqrt(static_cast<double>(D_)));
-  bool finite = true;  // written by one thread between barriers, read by all after them
+  // Every thread rounds the same values, so all of them find the same entry not finite and leave
+  // the layer loop at the same point; each says so here.
+  std::atomic<bool> finite{true};
 
 #pragma omp parallel num_threads(threads)
   {
     const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
     Buffers& b = buffers;
-    // Rows [begin, end) of `linear` applied to b.rounded into y; with `residual`, then x += y there.
+    OwnBuffers own(hidden, q_size, layers_[0].gate_up.rows() / 2);
+    // Rows [begin, end) of `linear` applied to own.rounded into y; with `residual`, then x += y there.
     auto project = [&](const Linear& linear, float* y, bool residual) {
       const Share share = share_of(linear.rows(), kBatch1Grain, tid, team);
-      linear.batch1_rows(b.rounded, y, share.begin, share.end);
+      linear.batch1_rows(own.rounded, y, share.begin, share.end);
       if (residual) {
         for (int64_t n = share.begin; n < share.end; ++n) xs[n] += y[n];
       }
     };
-    // [one] h = norm(x), rounded for `linear`  |  [all] its rows into y. False (on every thread)
-    // where h has an entry that is not finite.
-    auto norm_then_project = [&](const torch::Tensor& norm, const Linear& linear, float* y) {
-#pragma omp single
-      {
-        rms_norm_row(xs, norm.data_ptr<float>(), b.h.data(), hidden, eps_);
-        finite = linear.round_input(b.h.data(), hidden, b.rounded);
+    // `values` rounded for `linear`, then its rows into y. False where an entry is not finite.
+    auto round_then_project = [&](const float* values, int64_t K, const Linear& linear, float* y, bool residual) {
+      if (!linear.round_input(values, K, own.rounded)) {
+        finite = false;
+        return false;
       }
-      if (!finite) return false;
-      project(linear, y, false);
+      project(linear, y, residual);
       return true;
+    };
+    auto norm_then_project = [&](const torch::Tensor& norm, const Linear& linear, float* y) {
+      rms_norm_row(xs, norm.data_ptr<float>(), own.h.data(), hidden, eps_);
+      return round_then_project(own.h.data(), hidden, linear, y, false);
     };
     for (const Layer& layer : layers_) {
       if (!norm_then_project(layer.input_norm, layer.qkv, b.qkv.data())) break;
@@ -109,24 +126,14 @@ torch::Tensor DecodeStack::forward_batch1(const torch::Tensor& input_ids, const 
       const Share shares = share_of(attention.num_shares(), 1, tid, team);
       attention.attend(b.qkv.data(), layer.k_cache, layer.v_cache, shares.begin, shares.end);
 #pragma omp barrier
-#pragma omp single
-      {
-        attention.merge(b.attended.data(), 0, H_);
-        finite = layer.o.round_input(b.attended.data(), q_size, b.rounded);
-      }
-      if (!finite) break;
-      project(layer.o, b.projected.data(), true);
+      attention.merge(own.attended.data(), 0, H_);
+      if (!round_then_project(own.attended.data(), q_size, layer.o, b.projected.data(), true)) break;
 #pragma omp barrier
       if (!norm_then_project(layer.post_attention_norm, layer.gate_up, b.gate_up.data())) break;
 #pragma omp barrier
-#pragma omp single
-      {
-        const int64_t intermediate = static_cast<int64_t>(b.act.size());
-        silu_and_mul_row(b.gate_up.data(), b.act.data(), intermediate);
-        finite = layer.down.round_input(b.act.data(), intermediate, b.rounded);
-      }
-      if (!finite) break;
-      project(layer.down, b.projected.data(), true);
+      const int64_t intermediate = static_cast<int64_t>(own.act.size());
+      silu_and_mul_row(b.gate_up.data(), own.act.data(), intermediate);
+      if (!round_then_project(own.act.data(), intermediate, layer.down, b.projected.data(), true)) break;
 #pragma omp barrier
     }
   }
