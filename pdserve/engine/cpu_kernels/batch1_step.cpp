@@ -18,7 +18,7 @@
 //
 // [one]: one thread while the others wait at a barrier. [each]: every thread computes the same
 // values into buffers of its own, so six barriers a layer, not nine, and no thread waits through
-// the roundings and norms: on the Zen 3 a batch-1 step took ~0.99x the time (int4; int8
+// the roundings and norms: on the Zen 3 this stack took ~0.99x the time (int4; int8
 // 0.97-0.99x), alternating in one engine (docs/benchmarks.md, twenty-ninth pass).
 
 #include "decode_stack.h"

@@ -32,8 +32,8 @@ constexpr int64_t kStep = 2 * kGroup;
 // One group of x (32 floats) rounded to int8 at factor, to nearest even as _mm256_cvtps_epi32
 // rounds under the default MXCSR (as torch.round does, so a test can round x the same way): its
 // bytes in x's order, and their sum. Vectorized: the scalar loop with nearbyint took ~5 us of one
-// thread per int4 projection (576 inputs) while the other waited; on the Zen 3 a batch-1 step
-// took 0.93-0.95x the time with this (docs/benchmarks.md, twenty-ninth pass).
+// thread per int4 projection (576 inputs) while the other waited; on the Zen 3 the batch-1 decode
+// stack took 0.93-0.95x the time with this (docs/benchmarks.md, twenty-ninth pass).
 inline __m256i round_group(const float* x, __m256 factor, int32_t& sum) {
   __m256i q[4];
   for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), factor));
@@ -66,7 +66,7 @@ bool round_int4_bytes(const float* x, int64_t K, RoundedRows& in) {
   in.sums.resize(G);
   for (int64_t g = 0; g < G; ++g) {
     const float peak = peak_of(x + g * kGroup), scale = peak / 127.f;
-    // Zero for a group of zeros, and where 127 / peak would overflow (every entry under 1e-36).
+    // Zero for a group of zeros, and where 127 / peak would overflow (every entry under ~4e-37).
     const float factor = peak > 127.f / std::numeric_limits<float>::max() ? 127.f / peak : 0.f;
     int32_t sum;
     const __m256i bytes = round_group(x + g * kGroup, _mm256_set1_ps(factor), sum);
