@@ -209,9 +209,9 @@ constexpr bool kInt4ByteInputs =
     false;
 #endif
 bool round_int4_bytes(const float* x, int64_t K, RoundedRows& in);
-// Four weight rows (each G groups) against the one row of x that round_int4_bytes rounded.
-void int4_byte_rows4(const RoundedRows& in, const uint8_t* const* rows, const float* const* scales,
-                     const float* const* lows, int64_t G, float* out);
+// Weight rows [begin, end) against the one row of x that round_int4_bytes rounded.
+void int4_byte_batch1_rows(const RoundedRows& in, const uint8_t* ps, const float* scales, const float* lows,
+                           float* ys, int64_t K, int64_t begin, int64_t end);
 // bfloat16_prefill.cpp
 torch::Tensor int8_bfloat16_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
 // int8_panels.cpp: rows of x already rounded to int16 (one scale each) against int8 weights;

@@ -698,9 +698,11 @@ static void int4_rows4_integer(const RoundedRows& in, const uint8_t* const* rows
 // "twenty-fourth pass"). 16 rows of int4 weights are the bytes of kPrefetchRows int8 rows.
 constexpr int64_t kInt4PrefetchRows = 2 * kPrefetchRows;
 
-// Batch 1: each weight row is widened in registers as it streams by.
+// Batch 1: each weight row is widened in registers as it streams by. On AVX2 without AVX512-VNNI,
+// int4_byte_inputs.cpp's loop serves instead.
 void int4_batch1_rows(const RoundedRows& in, const uint8_t* ps, const float* scales, const float* lows, float* ys,
                       int64_t K, int64_t begin, int64_t end) {
+  if (kInt4ByteInputs) return int4_byte_batch1_rows(in, ps, scales, lows, ys, K, begin, end);
   const int64_t G = K / kGroup, row_bytes = K / 2;
   for (int64_t n = begin; n < end; n += 4) {
     const int64_t count = std::min<int64_t>(4, end - n);
@@ -718,11 +720,7 @@ void int4_batch1_rows(const RoundedRows& in, const uint8_t* ps, const float* sca
       row_lows[i] = lows + r * G;
     }
     float dots[4];
-    if (kInt4ByteInputs) {
-      int4_byte_rows4(in, rows, row_scales, row_lows, G, dots);
-    } else {
-      int4_rows4_integer(in, rows, row_scales, row_lows, G, dots);
-    }
+    int4_rows4_integer(in, rows, row_scales, row_lows, G, dots);
     for (int64_t i = 0; i < count; ++i) ys[n + i] = dots[i];
   }
 }
