@@ -152,7 +152,7 @@ void int4_byte_batch1_rows(const RoundedRows& in, const uint8_t* ps, const float
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* row = ps + n * row_bytes;
     const float *row_scales = scales + n * G, *row_lows = lows + n * G;
-    prefetch_lines(row + kAheadBytes, row_bytes);  // past the matrix, a prefetch reads nothing it may not
+    prefetch_lines(row + kAheadBytes, row_bytes);  // past the matrix's end too: a prefetch cannot fault
     prefetch_lines(reinterpret_cast<const char*>(row_scales) + kAheadBytes / 4, G * sizeof(float));
     prefetch_lines(reinterpret_cast<const char*>(row_lows) + kAheadBytes / 4, G * sizeof(float));
     ys[n] = byte_row(in, row, row_scales, row_lows, G);
