@@ -140,21 +140,15 @@ inline float byte_row(const RoundedRows& in, const uint8_t* row, const float* sc
 // (4-8 KB: 0.9-0.95x).
 constexpr int64_t kAheadBytes = 2048;
 
-inline void prefetch_lines(const void* begin, int64_t bytes) {
-  for (int64_t offset = 0; offset < bytes; offset += 64) {
-    __builtin_prefetch(static_cast<const char*>(begin) + offset, 0, 3);
-  }
-}
-
 void int4_byte_batch1_rows(const RoundedRows& in, const uint8_t* ps, const float* scales, const float* lows,
                            float* ys, int64_t K, int64_t begin, int64_t end) {
   const int64_t G = K / kGroup, row_bytes = K / 2;
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* row = ps + n * row_bytes;
     const float *row_scales = scales + n * G, *row_lows = lows + n * G;
-    prefetch_lines(row + kAheadBytes, row_bytes);  // past the matrix's end too: a prefetch cannot fault
-    prefetch_lines(reinterpret_cast<const char*>(row_scales) + kAheadBytes / 4, G * sizeof(float));
-    prefetch_lines(reinterpret_cast<const char*>(row_lows) + kAheadBytes / 4, G * sizeof(float));
+    prefetch_rows(row + kAheadBytes, row_bytes);  // past the matrix's end too: a prefetch cannot fault
+    prefetch_rows(reinterpret_cast<const char*>(row_scales) + kAheadBytes / 4, G * sizeof(float));
+    prefetch_rows(reinterpret_cast<const char*>(row_lows) + kAheadBytes / 4, G * sizeof(float));
     ys[n] = byte_row(in, row, row_scales, row_lows, G);
   }
 }
