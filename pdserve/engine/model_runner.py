@@ -153,14 +153,15 @@ class ModelRunner:
         `after_layer(i)` is called as soon as layer i's K/V are written."""
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
         input_ids, positions, slots, logits_index, sampled = self._flatten(ordered)
-        hidden = self._run_model(ordered, input_ids, positions, slots, after_layer)
+        stack_step = self._decode_stack_runs(ordered, after_layer)
+        if stack_step:
+            every_logits = self._run_decode_stack(ordered, input_ids, positions, slots)
+        else:
+            hidden = self._run_model(ordered, input_ids, positions, slots, after_layer)
         if not sampled:
             return {}
-        compute_logits = self.decode_stack.compute_logits if self.decode_stack else self.model.compute_logits
-        # Increasing row indices: as many as the rows means every row (a decode step's case).
-        if len(logits_index) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(logits_index, device=self.device)]
-        logits = compute_logits(hidden)
+        # Only rows that end their sequence sample (a prompt's one-token chunk may not).
+        logits = _rows(every_logits, logits_index) if stack_step else self._compute_logits(_rows(hidden, logits_index))
         params = [s.request.sampling_params for s in sampled]
         seeds = [self._seed(s.request.request_id, s.request.sampling_params.seed) for s in sampled]
         # The index of the token each row samples, counting outputs sent before a resumed stream began.
@@ -168,15 +169,18 @@ class ModelRunner:
         out = self.sampler(logits, params, seeds, positions)
         return {s.request.request_id: (tok, lp) for s, tok, lp in zip(sampled, out.token_ids, out.logprobs)}
 
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits of these rows: by the decode stack's kernels where there is one."""
+        head_owner = self.decode_stack if self.decode_stack is not None else self.model
+        return head_owner.compute_logits(hidden)
+
     def _run_model(self, ordered, input_ids, positions, slots, after_layer) -> torch.Tensor:
-        """Hidden states of every token of the step: from a CUDA graph, the C++ decode stack, or the model."""
+        """Hidden states of every token of the step: from a CUDA graph or the model."""
         all_decode = all(s.num_new_tokens == 1 for s in ordered)
         graphs = self.decode_graphs
         if graphs is not None and all_decode and after_layer is None and len(ordered) <= graphs.max_batch:
             context_lens = [s.start_position + 1 for s in ordered]
             return graphs.run(input_ids, positions, slots, [s.block_ids for s in ordered], context_lens)
-        if self._decode_stack_runs(ordered, all_decode, after_layer):
-            return self._run_decode_stack(ordered, input_ids, positions, slots)
         layout = BatchLayout(
             query_lens=[s.num_new_tokens for s in ordered],
             context_lens=[s.start_position + s.num_new_tokens for s in ordered],
@@ -189,27 +193,27 @@ class ModelRunner:
         input_ids, positions = (torch.tensor(values, device=self.device) for values in (input_ids, positions))
         return self.model(input_ids, positions, self.kv_caches, metadata, after_layer)
 
-    def _decode_stack_runs(self, ordered: list[ScheduledRequest], all_decode: bool, after_layer) -> bool:
+    def _decode_stack_runs(self, ordered: list[ScheduledRequest], after_layer) -> bool:
         """Whether this step goes through the C++ decode stack: every sequence decodes one token,
         no more than its kernels' row limit, and no caller waits on individual layers."""
         return (
             self.decode_stack is not None
             and after_layer is None
-            and all_decode
+            and all(s.num_new_tokens == 1 for s in ordered)
             and len(ordered) <= self.decode_stack.max_batch
         )
 
     def _run_decode_stack(self, ordered: list[ScheduledRequest], input_ids, positions, slots) -> torch.Tensor:
-        """The C++ decode stack's step, its int64 inputs made as one tensor: each torch.tensor and
-        the attention backend's metadata (a mask the stack does not read) cost ~10 us apiece, a
-        step's ~1-2% at batch 1."""
+        """The C++ decode stack's step, to the logits of every sequence, its int64 inputs made as
+        one tensor: each torch.tensor and the attention backend's metadata (a mask the stack does
+        not read) cost ~10 us apiece, a step's ~1-2% at batch 1."""
         num_seqs = len(ordered)
         context_lens = [s.start_position + 1 for s in ordered]
         table = padded_block_tables([s.block_ids for s in ordered], context_lens, self.block_size)
         flat = torch.tensor(input_ids + positions + slots + context_lens + [b for row in table for b in row])
         ids, token_positions, token_slots, lens = flat[: 4 * num_seqs].view(4, num_seqs)
         block_tables = flat[4 * num_seqs :].view(num_seqs, len(table[0]))
-        return self.decode_stack(ids, token_positions, token_slots, block_tables, lens)
+        return self.decode_stack.logits(ids, token_positions, token_slots, block_tables, lens)
 
     def _flatten(self, ordered: list[ScheduledRequest]):
         input_ids: list[int] = []
@@ -237,6 +241,11 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.seeds.pop(request_id, None)
+
+
+def _rows(values: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """values[index] for increasing row indices; as many as the rows means every row (a decode step's case)."""
+    return values if len(index) == values.shape[0] else values[torch.tensor(index, device=values.device)]
 
 
 def check_backend_fits_device(backend: str, device: torch.device, block_size: int) -> None:

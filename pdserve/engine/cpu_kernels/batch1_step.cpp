@@ -15,6 +15,12 @@
 //               [all] attention shares  |  [each] merge the shares, round the result
 //               [all] o rows, x += own rows  |  [each] h = norm(x), round h  |  [all] gate_up rows
 //               [each] act = silu(g) * u, round act  |  [all] down rows, x += own rows
+//   then, with a (quantized) LM head:  [each] h = final norm(x), round h  |  [all] the head's rows
+//
+// The head in the region, not as its own call after it (the final norm and the head's input
+// rounded through torch, Python's wrapping of the call, a second region): on the Zen 3, alternating
+// the two in one engine, an int4 step took 0.97x the time, an int8 step 0.985x (docs/benchmarks.md,
+// thirty-first pass).
 //
 // [one]: one thread while the others wait at a barrier. [each]: every thread computes the same
 // values into buffers of its own, so six barriers a layer, not nine, and no thread waits through
@@ -65,7 +71,7 @@ struct OwnBuffers {
 
 torch::Tensor DecodeStack::forward_batch1(const torch::Tensor& input_ids, const torch::Tensor& positions,
                                           const torch::Tensor& slots, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens) const {
+                                          const torch::Tensor& context_lens, const Linear* head) const {
   const auto tables = block_tables.contiguous();
   const int64_t pos = positions.data_ptr<int64_t>()[0], slot = slots.data_ptr<int64_t>()[0];
   // Every check before the region: an exception may not leave it.
@@ -87,6 +93,7 @@ torch::Tensor DecodeStack::forward_batch1(const torch::Tensor& input_ids, const 
   // Every thread rounds the same values, so all of them find the same entry not finite and leave
   // the layer loop at the same point; each says so here.
   std::atomic<bool> finite{true};
+  torch::Tensor logits = head != nullptr ? torch::empty({1, head->rows()}, x.options()) : torch::Tensor();
 
 #pragma omp parallel num_threads(threads)
   {
@@ -136,11 +143,17 @@ torch::Tensor DecodeStack::forward_batch1(const torch::Tensor& input_ids, const 
       if (!round_then_project(own.act.data(), intermediate, layer.down, b.projected.data(), true)) break;
 #pragma omp barrier
     }
+    // After the last layer's barrier x is whole; a thread that left the loop early left it with
+    // all the others (see `finite`).
+    if (head != nullptr && finite) {
+      rms_norm_row(xs, final_norm_.data_ptr<float>(), own.h.data(), hidden, eps_);
+      round_then_project(own.h.data(), hidden, *head, logits.data_ptr<float>(), false);
+    }
   }
   // An entry that is not finite: the float loops of the per-operation path propagate it as torch
   // would. That path recomputes the step from the embedding and rewrites every layer's K/V.
   if (!finite) return {};
-  return rms_norm(x, final_norm_, eps_);
+  return head != nullptr ? logits : rms_norm(x, final_norm_, eps_);
 }
 
 }  // namespace pdserve

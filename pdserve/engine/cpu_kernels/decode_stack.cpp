@@ -104,21 +104,39 @@ void rotate(float* rows, int64_t row_stride, const int64_t* positions, int64_t M
 
 // input_ids, positions, slots [B]; block_tables [B, max_blocks]; context_lens [B] (all int64)
 // -> the final-normed hidden states [B, hidden]. Writes each layer's new K/V at `slots`.
-torch::Tensor DecodeStack::forward(const torch::Tensor& input_ids, const torch::Tensor& positions,
-                                  const torch::Tensor& slots, const torch::Tensor& block_tables,
-                                  const torch::Tensor& context_lens) const {
+void DecodeStack::check_step_inputs(const torch::Tensor& input_ids, const torch::Tensor& positions,
+                                    const torch::Tensor& slots, const torch::Tensor& context_lens) const {
   for (const auto* t : {&input_ids, &positions, &slots, &context_lens}) {
     TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->dim() == 1 && t->size(0) == input_ids.size(0) &&
                     t->is_contiguous(),
                 "input_ids, positions, slots and context_lens must be contiguous int64 [B]");
   }
-  const int64_t B = input_ids.size(0), max_position = cos_.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < input_ids.size(0); ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < cos_.size(0), "position ", pos[b], " outside the rotary table");
+  }
+}
+
+torch::Tensor DecodeStack::logits(const torch::Tensor& input_ids, const torch::Tensor& positions,
+                                  const torch::Tensor& slots, const torch::Tensor& block_tables,
+                                  const torch::Tensor& context_lens) const {
+  TORCH_CHECK(lm_head_.has_value(), "the stack has no LM head (set_lm_head)");
+  check_step_inputs(input_ids, positions, slots, context_lens);
+  if (takes_one_region(input_ids.size(0)) && lm_head_->batch1_supported()) {
+    auto logits = forward_batch1(input_ids, positions, slots, block_tables, context_lens, &*lm_head_);
+    if (logits.defined()) return logits;
+  }
+  return (*lm_head_)(forward(input_ids, positions, slots, block_tables, context_lens));
+}
+
+torch::Tensor DecodeStack::forward(const torch::Tensor& input_ids, const torch::Tensor& positions,
+                                  const torch::Tensor& slots, const torch::Tensor& block_tables,
+                                  const torch::Tensor& context_lens) const {
+  check_step_inputs(input_ids, positions, slots, context_lens);
+  const int64_t B = input_ids.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(pos[b] >= 0 && pos[b] < max_position, "position ", pos[b], " outside the rotary table");
-  }
-  if (B == 1 && one_region_batch1 && batch1_supported_) {
+  if (takes_one_region(B)) {
     auto x = forward_batch1(input_ids, positions, slots, block_tables, context_lens);
     if (x.defined()) return x;
   }
@@ -166,7 +184,10 @@ void bind_decode_stack(pybind11::module& m) {
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("embedding"),
            py::arg("cos"), py::arg("signed_sin"), py::arg("final_norm"))
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_lm_head", &DecodeStack::set_lm_head)
+      .def_property_readonly("has_lm_head", &DecodeStack::has_lm_head)
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
+      .def("logits", &DecodeStack::logits, py::call_guard<py::gil_scoped_release>())
       .def_readwrite("one_region_batch1", &DecodeStack::one_region_batch1)
       .def_property_readonly("batch1_supported", &DecodeStack::batch1_supported)
       .def_property_readonly("num_layers", &DecodeStack::num_layers);

@@ -111,10 +111,23 @@ class DecodeStack {
                             std::move(gate_up), std::move(down), std::move(k_cache), std::move(v_cache)});
   }
 
+  // The LM head that `logits` applies: a quantized one, whose batch-1 rows the step's own
+  // threads compute at the end of its parallel region (batch1_step.cpp).
+  void set_lm_head(Linear head) {
+    TORCH_CHECK(head.kind != Linear::Kind::kDense, "the stack takes a quantized LM head");
+    lm_head_ = std::move(head);
+  }
+  bool has_lm_head() const { return lm_head_.has_value(); }
+
   // input_ids, positions, slots [B]; block_tables [B, max_blocks]; context_lens [B] (all int64)
   // -> the final-normed hidden states [B, hidden]. Writes each layer's new K/V at `slots`.
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& slots,
                         const torch::Tensor& block_tables, const torch::Tensor& context_lens) const;
+
+  // forward's inputs -> the LM head's logits [B, vocab]: the same bits as the head applied to
+  // forward's result, in one parallel region at batch 1 where forward takes one.
+  torch::Tensor logits(const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& slots,
+                       const torch::Tensor& block_tables, const torch::Tensor& context_lens) const;
 
   // Whether batch-1 steps run in one parallel region (batch1_step.cpp); off, they take the
   // per-operation path that batches take (tests compare the two).
@@ -124,12 +137,15 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
-  // The checked batch-1 step in one parallel region, or an undefined tensor where it cannot run
-  // (no layers, a projection without batch-1 integer loops, layers of different sizes) or met an
-  // entry that is not finite.
+  // The checked batch-1 step in one parallel region: the final-normed hidden state, or with
+  // `head` that head's logits. An undefined tensor where it cannot run (no layers, a projection
+  // without batch-1 integer loops, layers of different sizes) or met an entry that is not finite.
   torch::Tensor forward_batch1(const torch::Tensor& input_ids, const torch::Tensor& positions,
                                const torch::Tensor& slots, const torch::Tensor& block_tables,
-                               const torch::Tensor& context_lens) const;
+                               const torch::Tensor& context_lens, const Linear* head = nullptr) const;
+  bool takes_one_region(int64_t B) const { return B == 1 && one_region_batch1 && batch1_supported_; }
+  void check_step_inputs(const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& slots,
+                         const torch::Tensor& context_lens) const;
   void write_kv(const float* rows, int64_t row_stride, int64_t q_size, int64_t kv_size, const int64_t* slot, int64_t B,
                 const Layer& layer) const;
   bool batch1_supported_ = true;  // every projection so far has batch-1 integer loops
@@ -138,6 +154,7 @@ class DecodeStack {
   float eps_;
   torch::Tensor embedding_, cos_, sin_, final_norm_;
   std::vector<Layer> layers_;
+  std::optional<Linear> lm_head_;
 };
 
 }  // namespace pdserve

@@ -43,6 +43,8 @@ class CpuDecodeStack:
                 layer.post_attention_layernorm.weight, _linear(mlp.gate_up_proj), _linear(mlp.down_proj),
                 k_cache, v_cache,
             )  # fmt: skip
+        if isinstance(self._lm_head, (Int8Linear, Int4Linear)):
+            self._stack.set_lm_head(_linear(self._lm_head))
 
     @staticmethod
     def supports(model: LlamaModel, device: torch.device, dtype: torch.dtype) -> bool:
@@ -60,6 +62,14 @@ class CpuDecodeStack:
         """The final-normed hidden states [B, hidden] of B sequences decoding one token each;
         writes every layer's new K/V at `slots` (all int64 tensors; block_tables [B, max_blocks])."""
         return self._stack.forward(input_ids, positions, slots, block_tables, context_lens)
+
+    def logits(self, input_ids, positions, slots, block_tables, context_lens) -> torch.Tensor:
+        """The LM head's logits [B, vocab] for the same inputs (the same bits as compute_logits
+        of __call__'s states). A quantized head runs inside the stack: at batch 1, in the step's
+        own parallel region."""
+        if self._stack.has_lm_head:
+            return self._stack.logits(input_ids, positions, slots, block_tables, context_lens)
+        return self.compute_logits(self(input_ids, positions, slots, block_tables, context_lens))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's logits for rows of final-normed hidden states (any step's, any count)."""

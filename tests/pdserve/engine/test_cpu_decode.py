@@ -34,9 +34,9 @@ class CountedStack:
         self.stack, self.max_batch, self.calls = stack, stack.max_batch, 0
         self.compute_logits = stack.compute_logits
 
-    def __call__(self, *args):
+    def logits(self, *args):
         self.calls += 1
-        return self.stack(*args)
+        return self.stack.logits(*args)
 
 
 def count_stack_calls(engine: LLMEngine) -> CountedStack:
@@ -107,15 +107,21 @@ def test_the_stack_writes_and_reads_16_bit_caches_as_the_module_path_does(tmp_pa
 def batch1_step(engine: LLMEngine, context: int, token: int = 3):
     """The stack's inputs for one sequence of `context` positions, its blocks scattered over the
     pool, and its caches filled with random rows to attend to."""
+    return decode_step(engine, [context], token)
+
+
+def decode_step(engine: LLMEngine, contexts: list[int], token: int = 3):
+    """batch1_step for a sequence of each context length, on blocks of their own."""
     torch.manual_seed(0)
     for k_cache, v_cache in engine.model_runner.kv_caches:
         k_cache.copy_(torch.randn(k_cache.shape))
         v_cache.copy_(torch.randn(v_cache.shape))
     block_size = engine.model_runner.kv_caches[0][0].shape[1]
-    table = torch.randperm(engine.model_runner.kv_caches[0][0].shape[0])[: -(-context // block_size)][None]
-    last = context - 1
-    slot = table[0, last // block_size] * block_size + last % block_size
-    return torch.tensor([token]), torch.tensor([last]), slot.reshape(1), table, torch.tensor([context])
+    width = -(-max(contexts) // block_size)
+    tables = torch.randperm(engine.model_runner.kv_caches[0][0].shape[0])[: len(contexts) * width].view(-1, width)
+    last = torch.tensor(contexts) - 1
+    slots = tables[torch.arange(len(contexts)), last // block_size] * block_size + last % block_size
+    return torch.full((len(contexts),), token), last, slots, tables, torch.tensor(contexts)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
@@ -136,6 +142,36 @@ def test_a_batch_1_step_in_one_parallel_region_gives_the_per_operation_bits(tmp_
     assert all(torch.equal(cache, expected) for cache, expected in zip(caches, expected_caches, strict=True))
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("context", [5, 150])
+def test_a_quantized_lm_head_in_the_batch_1_region_gives_the_bits_of_the_head_after_the_stack(
+    tmp_path, quantization, context
+):
+    engine = tiny_engine(build_tiny_model(tmp_path), quantization, dtype="float16", num_blocks=64)
+    decode_stack = engine.model_runner.decode_stack
+    assert decode_stack._stack.has_lm_head and decode_stack._stack.batch1_supported
+    inputs = batch1_step(engine, context)
+    expected = decode_stack.compute_logits(decode_stack._stack.forward(*inputs))  # the head as its own call
+    results = {}
+    for one_region in (True, False):
+        decode_stack._stack.one_region_batch1 = one_region
+        logits = decode_stack.logits(*inputs)
+        results[one_region] = logits, [cache.clone() for layer in engine.model_runner.kv_caches for cache in layer]
+    (logits, caches), (per_operation_logits, per_operation_caches) = results[True], results[False]
+    assert logits.shape == (1, engine.model_runner.model.embed_tokens.num_embeddings)
+    assert torch.equal(logits, expected)
+    assert torch.equal(per_operation_logits, expected)
+    assert all(torch.equal(cache, other) for cache, other in zip(caches, per_operation_caches, strict=True))
+
+
+def test_a_batch_of_decodes_gets_the_stacks_head_after_the_per_operation_path(tmp_path):
+    engine = tiny_engine(build_tiny_model(tmp_path), "int8", num_blocks=64)
+    decode_stack = engine.model_runner.decode_stack
+    inputs = decode_step(engine, [20, 9])
+    expected = decode_stack.compute_logits(decode_stack._stack.forward(*inputs))
+    assert torch.equal(decode_stack.logits(*inputs), expected)
+
+
 def test_a_batch_1_step_that_meets_a_nan_falls_back_to_the_float_loops(tmp_path):
     engine = tiny_engine(build_tiny_model(tmp_path), "int8", num_blocks=64)
     stack = engine.model_runner.decode_stack._stack
@@ -149,9 +185,22 @@ def test_a_batch_1_step_that_meets_a_nan_falls_back_to_the_float_loops(tmp_path)
     torch.testing.assert_close(hidden[True], hidden[False], rtol=0, atol=0, equal_nan=True)
 
 
+def test_a_batch_1_step_that_meets_a_nan_gives_nan_logits_as_the_float_loops_do(tmp_path):
+    engine = tiny_engine(build_tiny_model(tmp_path), "int8", num_blocks=64)
+    decode_stack = engine.model_runner.decode_stack
+    inputs = batch1_step(engine, 20)
+    engine.model_runner.model.embed_tokens.weight.data[inputs[0]] = float("nan")
+    logits = decode_stack.logits(*inputs)
+    assert logits.isnan().all()
+    torch.testing.assert_close(
+        logits, decode_stack.compute_logits(decode_stack._stack.forward(*inputs)), rtol=0, atol=0, equal_nan=True
+    )
+
+
 def test_only_integer_projections_take_the_one_region_batch_1_step(tmp_path):
     engine = tiny_engine(build_tiny_model(tmp_path), "none")
     assert not engine.model_runner.decode_stack._stack.batch1_supported
+    assert not engine.model_runner.decode_stack._stack.has_lm_head  # a float32 head: cpu_decode's dense GEMV
 
 
 def test_steps_with_a_prefill_chunk_keep_the_module_path(tmp_path):
