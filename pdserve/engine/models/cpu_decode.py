@@ -9,7 +9,8 @@ A float32 LM head (no --quantization) goes through the kernels' float32 GEMV too
 at::linear (MKL's sgemv) streamed it at 11 GB/s on an AMD EPYC Zen 5, 9.6 of a 40.8 ms step.
 For the same reason `use_kernel_linears` sends the float32 projections of the steps the stack
 does not run (prefill chunks) to that kernel: MKL ran 140-215 GFLOP/s there from 32 rows to 256,
-the kernel 230-340 (docs/benchmarks.md, "fourteenth pass").
+the kernel 230-340 (docs/benchmarks.md, "fourteenth pass"). A quantized LM head goes into the
+stack itself (`logits`), whose batch-1 step ends its parallel region with the head's rows.
 
 The stack holds references to the model's weights and KV caches, not copies: it is built once,
 after quantization, and reads whatever those tensors hold.
