@@ -102,8 +102,6 @@ void rotate(float* rows, int64_t row_stride, const int64_t* positions, int64_t M
   }
 }
 
-// input_ids, positions, slots [B]; block_tables [B, max_blocks]; context_lens [B] (all int64)
-// -> the final-normed hidden states [B, hidden]. Writes each layer's new K/V at `slots`.
 void DecodeStack::check_step_inputs(const torch::Tensor& input_ids, const torch::Tensor& positions,
                                     const torch::Tensor& slots, const torch::Tensor& context_lens) const {
   for (const auto* t : {&input_ids, &positions, &slots, &context_lens}) {
@@ -129,6 +127,8 @@ torch::Tensor DecodeStack::logits(const torch::Tensor& input_ids, const torch::T
   return (*lm_head_)(forward(input_ids, positions, slots, block_tables, context_lens));
 }
 
+// input_ids, positions, slots [B]; block_tables [B, max_blocks]; context_lens [B] (all int64)
+// -> the final-normed hidden states [B, hidden]. Writes each layer's new K/V at `slots`.
 torch::Tensor DecodeStack::forward(const torch::Tensor& input_ids, const torch::Tensor& positions,
                                   const torch::Tensor& slots, const torch::Tensor& block_tables,
                                   const torch::Tensor& context_lens) const {
