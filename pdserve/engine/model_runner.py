@@ -153,11 +153,12 @@ class ModelRunner:
         `after_layer(i)` is called as soon as layer i's K/V are written."""
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
         input_ids, positions, slots, logits_index, sampled = self._flatten(ordered)
-        stack_step = self._decode_stack_runs(ordered, after_layer)
+        all_decode = all(s.num_new_tokens == 1 for s in ordered)
+        stack_step = self._decode_stack_runs(ordered, all_decode, after_layer)
         if stack_step:
             every_logits = self._run_decode_stack(ordered, input_ids, positions, slots)
         else:
-            hidden = self._run_model(ordered, input_ids, positions, slots, after_layer)
+            hidden = self._run_model(ordered, input_ids, positions, slots, all_decode, after_layer)
         if not sampled:
             return {}
         # Only rows that end their sequence sample (a prompt's one-token chunk may not).
@@ -174,9 +175,8 @@ class ModelRunner:
         head_owner = self.decode_stack if self.decode_stack is not None else self.model
         return head_owner.compute_logits(hidden)
 
-    def _run_model(self, ordered, input_ids, positions, slots, after_layer) -> torch.Tensor:
+    def _run_model(self, ordered, input_ids, positions, slots, all_decode: bool, after_layer) -> torch.Tensor:
         """Hidden states of every token of the step: from a CUDA graph or the model."""
-        all_decode = all(s.num_new_tokens == 1 for s in ordered)
         graphs = self.decode_graphs
         if graphs is not None and all_decode and after_layer is None and len(ordered) <= graphs.max_batch:
             context_lens = [s.start_position + 1 for s in ordered]
@@ -193,13 +193,13 @@ class ModelRunner:
         input_ids, positions = (torch.tensor(values, device=self.device) for values in (input_ids, positions))
         return self.model(input_ids, positions, self.kv_caches, metadata, after_layer)
 
-    def _decode_stack_runs(self, ordered: list[ScheduledRequest], after_layer) -> bool:
+    def _decode_stack_runs(self, ordered: list[ScheduledRequest], all_decode: bool, after_layer) -> bool:
         """Whether this step goes through the C++ decode stack: every sequence decodes one token,
         no more than its kernels' row limit, and no caller waits on individual layers."""
         return (
             self.decode_stack is not None
             and after_layer is None
-            and all(s.num_new_tokens == 1 for s in ordered)
+            and all_decode
             and len(ordered) <= self.decode_stack.max_batch
         )
 

@@ -124,7 +124,7 @@ torch::Tensor DecodeStack::logits(const torch::Tensor& input_ids, const torch::T
     auto logits = forward_batch1(input_ids, positions, slots, block_tables, context_lens, &*lm_head_);
     if (logits.defined()) return logits;
   }
-  return (*lm_head_)(forward(input_ids, positions, slots, block_tables, context_lens));
+  return (*lm_head_)(hidden_states(input_ids, positions, slots, block_tables, context_lens));
 }
 
 // input_ids, positions, slots [B]; block_tables [B, max_blocks]; context_lens [B] (all int64)
@@ -133,6 +133,12 @@ torch::Tensor DecodeStack::forward(const torch::Tensor& input_ids, const torch::
                                   const torch::Tensor& slots, const torch::Tensor& block_tables,
                                   const torch::Tensor& context_lens) const {
   check_step_inputs(input_ids, positions, slots, context_lens);
+  return hidden_states(input_ids, positions, slots, block_tables, context_lens);
+}
+
+torch::Tensor DecodeStack::hidden_states(const torch::Tensor& input_ids, const torch::Tensor& positions,
+                                         const torch::Tensor& slots, const torch::Tensor& block_tables,
+                                         const torch::Tensor& context_lens) const {
   const int64_t B = input_ids.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();

@@ -143,6 +143,9 @@ class DecodeStack {
   torch::Tensor forward_batch1(const torch::Tensor& input_ids, const torch::Tensor& positions,
                                const torch::Tensor& slots, const torch::Tensor& block_tables,
                                const torch::Tensor& context_lens, const Linear* head = nullptr) const;
+  // forward after check_step_inputs (logits checks its inputs once, before either path).
+  torch::Tensor hidden_states(const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& slots,
+                              const torch::Tensor& block_tables, const torch::Tensor& context_lens) const;
   bool takes_one_region(int64_t B) const { return B == 1 && one_region_batch1 && batch1_supported_; }
   void check_step_inputs(const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& slots,
                          const torch::Tensor& context_lens) const;
